@@ -1,0 +1,3 @@
+from apirctl.cli import main
+
+main()
