@@ -8,7 +8,7 @@ real directories, and users set it to keep apirctl on another disk.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 APP_NAME = "apirctl"
@@ -49,19 +49,28 @@ class Dirs:
 
 
 def dirs() -> Dirs:
-    """Resolve the directories now (the environment may change between calls in tests)."""
+    """Resolve the directories now (the environment may change between calls in tests).
+
+    `APIRCTL_CACHE_DIR` moves only the cache (the llama.cpp build), so that tests with a
+    fresh home each can share one build.
+    """
     home = os.environ.get("APIRCTL_HOME")
     if home:
         root = Path(home).expanduser().resolve()
-        return Dirs(config=root / "config", data=root / "data", cache=root / "cache", state=root / "state")
-    import platformdirs
+        found = Dirs(config=root / "config", data=root / "data", cache=root / "cache", state=root / "state")
+    else:
+        import platformdirs
 
-    return Dirs(
-        config=Path(platformdirs.user_config_dir(APP_NAME)),
-        data=Path(platformdirs.user_data_dir(APP_NAME)),
-        cache=Path(platformdirs.user_cache_dir(APP_NAME)),
-        state=Path(platformdirs.user_state_dir(APP_NAME)),
-    )
+        found = Dirs(
+            config=Path(platformdirs.user_config_dir(APP_NAME)),
+            data=Path(platformdirs.user_data_dir(APP_NAME)),
+            cache=Path(platformdirs.user_cache_dir(APP_NAME)),
+            state=Path(platformdirs.user_state_dir(APP_NAME)),
+        )
+    cache = os.environ.get("APIRCTL_CACHE_DIR")
+    if cache:
+        found = replace(found, cache=Path(cache).expanduser().resolve())
+    return found
 
 
 def ensure(path: Path) -> Path:
