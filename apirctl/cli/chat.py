@@ -2,15 +2,152 @@
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING, Any
+
 import typer
 
-from apirctl.cli.output import not_implemented
+if TYPE_CHECKING:
+    from rich.console import Console
+
+EPILOG = (
+    "Examples:\n\n"
+    "  apirctl chat                          talk to the running server\n\n"
+    "  apirctl chat -p 'Why is the sky blue?'  print only the answer\n\n"
+    "  git diff | apirctl chat -p 'Review:'  the piped text follows the prompt\n\n"
+    "  apirctl chat --url 127.0.0.1:8080     any OpenAI-compatible server\n\n"
+    "In the session: /clear, /system TEXT, /stats, /help, /exit. Ctrl-C stops the answer."
+)
 
 
-def chat(url: str = typer.Option(None, "--url", help="Base URL of an OpenAI-compatible server.")) -> None:
-    """Chat with a served model, streaming the answer as it is generated."""
-    not_implemented("chat")
+def chat(
+    url: str = typer.Option(
+        None, "--url", help="OpenAI base URL (e.g. http://127.0.0.1:1234/v1). Default: the running server."
+    ),
+    name: str = typer.Option(
+        None, "--name", "-n", help="Which running apirctl server to use, when several run."
+    ),
+    model: str = typer.Option(
+        None, "--model", "-m", help="Model name sent to the server (default: the served one)."
+    ),
+    system: str = typer.Option(None, "--system", "-s", help="System prompt."),
+    prompt: str = typer.Option(
+        None,
+        "--prompt",
+        "-p",
+        help="Ask once, print only the answer and exit (stdin, if piped, is appended).",
+    ),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Stop each answer after N tokens."),
+    temperature: float = typer.Option(None, "--temperature", "-t", min=0.0, help="Sampling temperature."),
+    api_key: str = typer.Option(None, "--api-key", help="Bearer token, for servers started with an API key."),
+    timeout: float = typer.Option(
+        None, "--timeout", min=0.0, help="Seconds to wait while the server is still loading its model."
+    ),
+    json_: bool = typer.Option(False, "--json", help="One-shot: print the server's whole JSON response."),
+) -> None:
+    """Chat with a served model, streaming the answer as it is generated.
+
+    Without --url it talks to the running `apirctl serve` container.
+
+    With -p or a pipe on stdin it prints only the answer, for scripts.
+
+    Otherwise it opens an interactive session with line editing and history kept across sessions.
+    """
+    from apirctl import chat as lib
+    from apirctl.cli.output import console, err_console, print_json
+    from apirctl.errors import ApirctlError
+
+    if url and name:
+        raise ApirctlError(
+            "--url and --name exclude each other", hint="--name picks one of our servers; --url any"
+        )
+    interactive = prompt is None and sys.stdin.isatty() and not json_
+    base_url, served_model = _target(url, name)
+    if timeout is None:
+        from apirctl.config import settings
+
+        timeout = settings().health_timeout
+    with lib.ChatClient(
+        base_url, model=model or served_model, api_key=api_key, load_timeout=timeout
+    ) as client:
+        if interactive:
+            session = lib.Session(
+                client, console(), system=system, max_tokens=max_tokens, temperature=temperature
+            )
+            session.banner(f"{client.model or 'the server'} at {client.base_url}")
+            session.run()
+            return
+        question = lib.read_prompt(prompt, sys.stdin)
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": question}
+        ]
+        waiting = _LoadingNotice(err_console())
+        if json_:
+            try:
+                response = client.complete(messages, max_tokens, temperature, on_loading=waiting)
+            finally:
+                waiting.stop()
+            print_json(response)
+            return
+
+        def write(piece: str) -> None:
+            waiting.stop()
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        try:
+            reply = client.stream(messages, write, max_tokens, temperature, on_loading=waiting)
+        finally:
+            waiting.stop()
+        if reply.content and not reply.content.endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+        if reply.interrupted:
+            print("apirctl: interrupted", file=sys.stderr)
+            raise typer.Exit(130)
+
+
+class _LoadingNotice:
+    """While the server answers 503: a spinner on a terminal's stderr, else one line."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self.status: Any = None
+        self.shown = False
+
+    def __call__(self, elapsed: float) -> None:
+        text = f"the model is still loading… {elapsed:.0f} s"
+        if self.status is not None:
+            self.status.update(text)
+        elif self.console.is_terminal and not self.shown:
+            self.status = self.console.status(text)
+            self.status.start()
+        elif not self.shown:
+            self.console.print("apirctl: the model is still loading, waiting…")
+        self.shown = True
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def _target(url: str | None, name: str | None) -> tuple[str, str | None]:
+    """The base URL (and served model) to talk to: --url, or the running server found by its labels."""
+    if url:
+        return url, None
+    from apirctl.errors import ApirctlError
+
+    try:
+        from apirctl.serve import find_server
+    except ImportError:
+        raise ApirctlError(
+            "no --url given and server discovery is not available in this build",
+            hint="pass --url http://127.0.0.1:1234/v1",
+        ) from None
+    server = find_server(name)
+    return server.url, getattr(server, "model", None)
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(chat)
+    app.command(epilog=EPILOG)(chat)
