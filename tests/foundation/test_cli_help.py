@@ -1,0 +1,53 @@
+"""Every command answers --help with its teaching text, and --version works, in a real process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+COMMANDS = [
+    [], ["machine"], ["machine", "status"], ["machine", "restart"], ["machine", "stop"], ["machine", "logs"],
+    ["serve"], ["stop"], ["ps"], ["logs"], ["chat"], ["bench"], ["models"], ["models", "list"],
+    ["models", "pull"], ["models", "rm"], ["models", "inspect"], ["install"], ["uninstall"],
+    ["backend"], ["backend", "selftest"], ["setup"], ["doctor"], ["info"], ["config"], ["config", "show"],
+    ["apir"], ["apir", "generate"],
+]
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True,
+                          env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent",
+                               "APIRCTL_HOME": "/nonexistent/apirctl"})
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "root")
+def test_help(command: list[str]) -> None:
+    proc = run(*command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage:" in proc.stdout
+    # The first line of the docstring (the teaching text) is shown, never an empty help.
+    body = proc.stdout.split("Usage:", 1)[1]
+    assert len(body.strip().splitlines()) > 2
+
+
+def test_version() -> None:
+    from apirctl import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"apirctl {__version__}"
+
+
+def test_help_imports_nothing_heavy() -> None:
+    code = (
+        "import sys; sys.argv=['apirctl','--help']\n"
+        "from apirctl.cli import app\n"
+        "heavy = [m for m in ('podman','httpx','pydantic','gguf','numpy','macholib','apirctl.engine',"
+        "'apirctl.llamacpp','apirctl.models') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ""
