@@ -1,0 +1,256 @@
+"""llama-bench in each mode, one after the other on the same model file, and the comparison rows.
+
+- native: the host build's llama-bench on the host's best backend (the reference).
+- remoting: llama-bench in the container, its GGML backend calls going to the host
+  through the active transport (rpc on Linux, virtgpu on macOS).
+- container: llama-bench in the same container with no remoting (CPU only).
+
+A mode that cannot run here (no build, no image, no remoting backend) becomes rows
+with a `skipped_reason` and the others still run; a llama-bench that runs and fails is
+a failure that the caller reports after showing what did run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from apirctl.bench import MODES
+from apirctl.bench.llamabench import Params, Result, arguments, run_process
+from apirctl.bench.results import Row, Run, new_id, now_iso
+from apirctl.errors import ApirctlError
+
+#: Progress events: (mode, test or "" while starting, repetition (0 = warmup), repetitions).
+EventFn = Callable[[str, str, int, int], None]
+
+
+class Skipped(Exception):
+    """A mode that cannot run on this host; the message says why (and how to enable it)."""
+
+
+@dataclass
+class ModeOutcome:
+    mode: str
+    results: list[Result] = field(default_factory=list)
+    backend: str | None = None
+    skipped: str | None = None
+    failed: str | None = None
+
+
+@dataclass
+class Context:
+    """What the modes share: the model file, the parameters, and facts gathered on the way."""
+
+    model_path: Path
+    params: Params
+    on_event: EventFn | None = None
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    def progress(self, mode: str) -> Callable[[str, int, int], None]:
+        def emit(test: str, rep: int, reps: int) -> None:
+            if self.on_event:
+                self.on_event(mode, test, rep, reps)
+
+        return emit
+
+
+def parse_modes(text: str | Sequence[str]) -> list[str]:
+    """`native,remoting` -> ["native", "remoting"]; unknown names are a one-line error."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    modes: list[str] = []
+    for item in (i.strip().lower() for i in items):
+        if not item:
+            continue
+        if item not in MODES:
+            raise ApirctlError(f"unknown bench mode {item!r} (known: {', '.join(MODES)})")
+        if item not in modes:
+            modes.append(item)
+    if not modes:
+        raise ApirctlError(f"no bench mode given (known: {', '.join(MODES)})")
+    return modes
+
+
+def model_file(ref: str) -> tuple[str, Path]:
+    """The model reference resolved to a local GGUF file (fetched by the model store if needed)."""
+    path = Path(ref).expanduser()
+    if path.is_file():
+        return path.name, path.resolve()
+    try:
+        from apirctl import models
+
+        resolve = getattr(models, "resolve", None)
+    except ImportError:
+        resolve = None
+    if resolve is None or looks_like_path(ref):
+        raise ApirctlError(f"model {ref!r} not found: no such file",
+                           hint="give a GGUF path or a model reference (`apirctl models list`)")
+    found = resolve(ref)
+    return ref, Path(getattr(found, "path", found))
+
+
+def looks_like_path(ref: str) -> bool:
+    return ref.startswith(("/", "./", "../", "~")) or ref.endswith(".gguf")
+
+
+# --- the modes ------------------------------------------------------------------------------------
+
+
+def _host_build() -> Any:
+    from apirctl import llamacpp
+
+    try:
+        build = llamacpp.current_build()
+    except ApirctlError as exc:
+        raise Skipped(exc.message) from None
+    if build is None:
+        raise Skipped("llama.cpp is not built on this host (run `apirctl setup`)")
+    return build
+
+
+def run_native(ctx: Context) -> ModeOutcome:
+    build = _host_build()
+    ctx.facts.setdefault("host_backend", build.backend)
+    ctx.facts.setdefault("llama_cpp", build.source_version)
+    argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params)]
+    results = run_process(argv, ctx.params, ctx.progress("native"))
+    return ModeOutcome("native", results, backend=_backend_label(results, build.backend))
+
+
+def _image(ctx: Context) -> str:
+    """The inference image (built on first use), or Skipped saying what is missing."""
+    from apirctl import image, llamacpp
+
+    build = llamacpp.container_build() or _host_build()
+    try:
+        tag = image.ensure(build)
+    except ApirctlError as exc:
+        raise Skipped(f"no inference image: {exc.message}") from None
+    ctx.facts["image"] = tag
+    return tag
+
+
+def _run_in_container(ctx: Context, mode: str, extra_args: Sequence[str], plan: Any | None = None) -> list[Result]:
+    """llama-bench as a one-shot container with the model mounted read-only; no network unless a plan adds it."""
+    from apirctl import engine
+    from apirctl.bench.llamabench import ProgressReader, parse_mixed
+
+    tag = plan.image if plan is not None and plan.image else _image(ctx)
+    target = f"/models/{ctx.model_path.name}"
+    spec = engine.ContainerSpec(
+        image=tag,
+        entrypoint=["/app/bin/llama-bench"],
+        command=arguments(target, ctx.params, extra_args, output="jsonl"),
+        mounts=[engine.BindMount(source=ctx.model_path.resolve(), target=target, read_only=True)],
+        network_mode="none",
+        labels={"apirctl.role": "bench", "apirctl.bench.mode": mode},
+    )
+    if plan is not None:
+        spec = plan.apply(spec)
+    reader = ProgressReader(ctx.params, ctx.progress(mode))
+    result = engine.run_once(spec, on_line=reader.feed)
+    if result.exit_code != 0:
+        raise ApirctlError(f"llama-bench in the container failed (exit {result.exit_code}): "
+                           f"{reader.tail_text() or 'no output'}")
+    return parse_mixed(result.output)
+
+
+def run_container(ctx: Context) -> ModeOutcome:
+    results = _run_in_container(ctx, "container", [])
+    return ModeOutcome("container", results, backend=_backend_label(results, "cpu"))
+
+
+def run_remoting(ctx: Context) -> ModeOutcome:
+    from apirctl import config, transport
+
+    settings = config.settings()
+    requested = settings.transport
+    if requested == "none":
+        raise Skipped("the transport setting is `none` (set it to auto, rpc or virtgpu)")
+    try:
+        plan = transport.plan(requested, ngl=ctx.params.ngl, rpc_port=settings.rpc_port)
+    except ApirctlError as exc:
+        raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
+    if not plan.remoting:
+        raise Skipped(plan.notice or "no remoting backend is running (`apirctl machine restart --remoting`)")
+    ctx.facts["transport"] = plan.transport
+    results = _run_in_container(ctx, "remoting", [], plan)
+    return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport))
+
+
+RUNNERS: dict[str, Callable[[Context], ModeOutcome]] = {
+    "native": run_native,
+    "remoting": run_remoting,
+    "container": run_container,
+}
+
+
+def _backend_label(results: list[Result], fallback: str) -> str:
+    seen = [r.backends for r in results if r.backends]
+    return seen[0] if seen else fallback
+
+
+# --- the comparison -------------------------------------------------------------------------------
+
+
+def rows_from(outcomes: list[ModeOutcome], params: Params) -> list[Row]:
+    """Rows in mode order; each test's ratio is to the native row of the same test."""
+    native = next((o for o in outcomes if o.mode == "native" and o.results), None)
+    native_tps = {r.test: r.tps_mean for r in native.results} if native else {}
+    rows: list[Row] = []
+    for outcome in outcomes:
+        if not outcome.results:
+            reason = outcome.skipped or outcome.failed or "no results"
+            rows += [Row(mode=outcome.mode, backend=outcome.backend, test=test, skipped_reason=reason)
+                     for test in params.tests()]
+            continue
+        for r in outcome.results:
+            base = native_tps.get(r.test)
+            rows.append(Row(
+                mode=outcome.mode, backend=outcome.backend, test=r.test, tps_mean=r.tps_mean,
+                tps_std=r.tps_std, ratio_to_native=(r.tps_mean / base) if base else None,
+                samples_ts=r.samples_ts, n_gpu_layers=r.n_gpu_layers, n_threads=r.n_threads,
+            ))
+    return rows
+
+
+@dataclass
+class Outcome:
+    """A finished benchmark: the run to print and save, and what failed (not merely skipped)."""
+
+    run: Run
+    failures: list[str]
+
+
+def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
+        on_event: EventFn | None = None) -> Outcome:
+    """Run the modes in order; a skipped mode does not stop the others, nor does a failed one."""
+    from apirctl.bench import system
+
+    params.validate()
+    if not model_path.is_file():
+        raise ApirctlError(f"model file {model_path} does not exist")
+    ctx = Context(model_path=model_path, params=params, on_event=on_event)
+    outcomes: list[ModeOutcome] = []
+    for mode in modes:
+        if on_event:
+            on_event(mode, "", 0, params.reps)
+        try:
+            outcomes.append(RUNNERS[mode](ctx))
+        except Skipped as exc:
+            outcomes.append(ModeOutcome(mode, skipped=str(exc)))
+        except ApirctlError as exc:
+            outcomes.append(ModeOutcome(mode, failed=exc.message))
+    failures = [f"{o.mode}: {o.failed}" for o in outcomes if o.failed]
+    raw = next((o.results[0].raw for o in outcomes if o.mode == "native" and o.results), None)
+    raw = raw or next((o.results[0].raw for o in outcomes if o.results), None)
+    info = system.collect(raw, host_backend=ctx.facts.get("host_backend"), transport=ctx.facts.get("transport"),
+                          image=ctx.facts.get("image"), llama_cpp=ctx.facts.get("llama_cpp"))
+    bench_run = Run(
+        id=new_id(), created=now_iso(), kind="llama-bench", model=model_ref, model_file=str(model_path),
+        params={"pp": params.pp, "tg": params.tg, "reps": params.reps, "ngl": params.ngl,
+                "threads": params.threads, "modes": list(modes)},
+        system=info, rows=rows_from(outcomes, params),
+    )
+    return Outcome(bench_run, failures)
