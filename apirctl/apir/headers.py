@@ -80,7 +80,8 @@ def backend_dispatched_header() -> str:
                 lines.append(f"/* {fn.enum_name} is deprecated; its handler stays for old guests. */")
             lines.append(f"uint32_t {fn.backend_function}({_BACKEND_PARAMS});")
     lines += ["", 'extern "C" {',
-              "static const backend_dispatch_t apir_backend_dispatch_table[APIR_BACKEND_DISPATCH_TABLE_COUNT] = {"]
+              "static const backend_dispatch_t "
+              "apir_backend_dispatch_table[APIR_BACKEND_DISPATCH_TABLE_COUNT] = {"]
     for desc, fns in _grouped():
         lines += [f"    /* {desc} */"]
         for fn in fns:
@@ -164,3 +165,23 @@ def parse(text: str) -> Declarations:
         params = tuple(_param(p) for p in m.group(3).split(",") if p.strip())
         decl.prototypes[m.group(2)] = Prototype(returns, m.group(2), params)
     return decl
+
+
+def compare(ours: str, theirs: str) -> list[str]:
+    """Differences in meaning between two versions of one header (empty when they agree)."""
+    a, b = parse(ours), parse(theirs)
+    diffs: list[str] = []
+    for what, x, y in (("enum", a.enum, b.enum), ("command name", a.command_names, b.command_names),
+                       ("prototype", a.prototypes, b.prototypes)):
+        for key in sorted(set(x) | set(y)):
+            if x.get(key) != y.get(key):  # type: ignore[attr-defined]
+                diffs.append(f"{what} {key}: ours {x.get(key)!r}, upstream {y.get(key)!r}")  # type: ignore[attr-defined]
+    if a.dispatch_table != b.dispatch_table:
+        diffs.append(f"dispatch table: ours {a.dispatch_table}, upstream {b.dispatch_table}")
+    return diffs
+
+
+def compare_with_source(virtgpu_dir: Path) -> dict[str, list[str]]:
+    """Compare our three headers with those of a llama.cpp tree's `ggml/src/ggml-virtgpu/`."""
+    ours = generate()
+    return {name: compare(ours[name], (virtgpu_dir / rel).read_text()) for name, rel in UPSTREAM_PATHS.items()}

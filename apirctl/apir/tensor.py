@@ -27,6 +27,7 @@ OP_ADD = 2
 OP_MUL_MAT = 29
 FLAG_INPUT = 1
 FLAG_OUTPUT = 2
+FLAG_COMPUTE = 16  # set by ggml's graph builder on every node; backends skip nodes without it
 
 
 class RpcTensorC(ctypes.Structure):
@@ -252,9 +253,17 @@ def decode_inline_tensor(dec: Decoder) -> InlineTensor:
 
 @dataclass
 class Graph:
-    """A compute graph: its nodes, in order; leaves are reached through their `src`."""
+    """A compute graph: its nodes, in order; leaves are reached through their `src`.
+
+    Like ggml's graph builder, it marks every node with FLAG_COMPUTE: current backends skip nodes
+    without it and still answer SUCCESS.
+    """
 
     nodes: list[Tensor]
+
+    def __post_init__(self) -> None:
+        for n in self.nodes:
+            n.flags |= FLAG_COMPUTE
 
     def tensors(self) -> list[Tensor]:
         """Every tensor reachable, sources before users, each once (upstream's order)."""

@@ -1,0 +1,158 @@
+"""Talk to the backend library in a child process: a crash there is a report here, not our death.
+
+`BackendProcess` starts `python -m apirctl.apir.child`, loads the library in it and forwards calls
+encoded with `messages`. Every call is named; if the child dies during one, `BackendCrashed` says
+which call, the signal, and the last lines the library printed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from apirctl.apir import messages, protocol, table
+from apirctl.apir.child import read_frame, write_frame
+from apirctl.apir.wire import Decoder
+
+
+class BackendCrashed(Exception):
+    """The child hosting the library died while running `call`."""
+
+    def __init__(self, call: str, returncode: int | None, stderr_tail: str) -> None:
+        self.call = call
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail
+        super().__init__(f"the backend library crashed during {call} ({describe_exit(returncode)})")
+
+
+def describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+class BackendProcess:
+    """A child process holding one loaded backend library."""
+
+    def __init__(self, timeout: float = 120.0) -> None:
+        self.timeout = timeout
+        self._stderr = tempfile.TemporaryFile()
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "apirctl.apir.child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, env=env)
+        self._next_res = 100
+
+    def __enter__(self) -> BackendProcess:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        self._stderr.seek(0)
+        text = self._stderr.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _call(self, name: str, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            write_frame(self.proc.stdin, header, payload)  # type: ignore[arg-type]
+            frame = read_frame(self.proc.stdout)  # type: ignore[arg-type]
+        except BrokenPipeError:
+            frame = None
+        if frame is None:
+            try:
+                rc = self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                rc = None
+            raise BackendCrashed(name, rc, self.stderr_tail())
+        head, body = frame
+        if "error" in head:
+            raise RuntimeError(f"{name}: {head['error']}")
+        return head, body
+
+    # ---- operations ----
+
+    def initialize(self, library: Path, ggml_library: Path | None, reg: str | None) -> int:
+        head, _ = self._call("apir_backend_initialize", {
+            "op": "init", "library": str(library), "ggml_library": str(ggml_library) if ggml_library else None,
+            "reg": reg})
+        return int(head["code"])
+
+    def deinit(self) -> None:
+        self._call("apir_backend_deinit", {"op": "deinit"})
+
+    def shmem(self, size: int) -> int:
+        """Allocate a shared resource of `size` bytes; returns its resource id."""
+        res = self._next_res
+        self._next_res += 1
+        self._call("shmem_alloc", {"op": "shmem_alloc", "res_id": res, "size": size})
+        return res
+
+    def shmem_write(self, res_id: int, data: bytes, offset: int = 0) -> None:
+        self._call("shmem_write", {"op": "shmem_write", "res_id": res_id, "offset": offset}, data)
+
+    def shmem_read(self, res_id: int, size: int, offset: int = 0) -> bytes:
+        return self._call("shmem_read", {"op": "shmem_read", "res_id": res_id, "offset": offset,
+                                         "size": size})[1]
+
+    def rss_kb(self) -> int:
+        return int(self._call("rss", {"op": "rss"})[0]["rss_kb"])
+
+    def dispatch_raw(self, cmd: int, request: bytes, repeat: int = 1, name: str | None = None,
+                     ) -> tuple[int, bytes, list[int]]:
+        """Send any bytes as any command index: (dispatcher return code, reply bytes, ns per call)."""
+        label = name or (table.by_index(cmd).qualname if 0 <= cmd < table.dispatch_table_count()
+                         else f"command {cmd}")
+        head, body = self._call(label, {"op": "dispatch", "cmd": cmd, "repeat": repeat}, request)
+        return int(head["ret"]), body, [int(t) for t in head["times_ns"]]
+
+    def call(self, fn: table.Function | str, repeat: int = 1, **values: Any,
+             ) -> tuple[dict[str, Any], list[int]]:
+        """Encode a request, forward it, check the return code, decode the reply."""
+        f = table.by_name(fn) if isinstance(fn, str) else fn
+        ret, reply, times = self.dispatch_raw(f.index, messages.encode_request(f, **values), repeat, f.qualname)
+        if ret != 0:
+            raise CallFailed(f.qualname, ret)
+        dec = Decoder(reply)
+        return {fld.name: messages.decode_field(dec, fld) for fld in f.reply}, times
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self._call("exit", {"op": "exit"})
+            except (BackendCrashed, RuntimeError):
+                pass
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self._stderr.close()
+
+
+class CallFailed(Exception):
+    """The dispatched function answered a non-zero code (virglrenderer adds FORWARD base 4)."""
+
+    def __init__(self, call: str, code: int) -> None:
+        self.call = call
+        self.code = code
+        fwd = protocol.ForwardCode.BASE_INDEX + code
+        super().__init__(f"{call} answered {code} (FORWARD code {fwd})")
