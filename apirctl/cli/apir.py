@@ -1,15 +1,98 @@
-"""`apirctl apir`: the APIR protocol library's tools."""
+"""`apirctl apir`: the APIR protocol library's tools (headers, function table)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from apirctl.cli.output import not_implemented
-
-app = typer.Typer(help="The APIR frontend/backend protocol: generate and check its C headers.", no_args_is_help=True)
+app = typer.Typer(
+    help="The APIR protocol the ggml-virtgpu frontend (guest) and backend (host) speak: its function "
+    "table, and the C headers generated from it.",
+    no_args_is_help=True,
+)
 
 
 @app.command()
-def generate(out: str = typer.Option(..., "--out", help="Directory to write the headers to.")) -> None:
-    """Write the three generated C headers from apirctl's function table."""
-    not_implemented("apir generate")
+def generate(
+    out: Path = typer.Option(..., "--out", help="Directory to write the three headers to (created if missing)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the written paths as JSON."),
+) -> None:
+    """Write apir_backend.gen.h, virtgpu-forward.gen.h and backend-dispatched.gen.h from apirctl's table.
+
+    These are the headers upstream generates from its YAML; `apirctl apir check` compares them with
+    the pinned llama.cpp source.
+    """
+    from apirctl.apir import headers
+    from apirctl.cli.output import console, print_json
+    from apirctl.errors import ApirctlError
+
+    if out.exists() and not out.is_dir():
+        raise ApirctlError(f"{out} exists and is not a directory")
+    try:
+        paths = headers.write(out)
+    except OSError as exc:
+        raise ApirctlError(f"cannot write headers to {out}: {exc.strerror}") from None
+    if json_out:
+        print_json({"written": [str(p) for p in paths]})
+    else:
+        for p in paths:
+            console().print(f"wrote {p}")
+
+
+@app.command()
+def check(
+    source: Path | None = typer.Option(
+        None, "--source", help="A llama.cpp tree (default: the pinned source apirctl builds)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the differences as JSON."),
+) -> None:
+    """Compare our generated headers with a llama.cpp tree's: enum values, command names, prototypes.
+
+    Exits 1 when they differ, so a newer upstream that changed the protocol is caught.
+    """
+    from apirctl.apir import headers
+    from apirctl.cli.output import console, print_json
+    from apirctl.errors import ApirctlError
+
+    if source is None:
+        from apirctl import llamacpp
+
+        source = llamacpp.source_dir()
+    vdir = source / "ggml" / "src" / "ggml-virtgpu"
+    if not vdir.is_dir():
+        raise ApirctlError(f"{source} has no ggml/src/ggml-virtgpu", hint="pass a llama.cpp source tree")
+    try:
+        diffs = headers.compare_with_source(vdir)
+    except OSError as exc:
+        raise ApirctlError(f"cannot read upstream headers: {exc}") from None
+    same = not any(diffs.values())
+    if json_out:
+        print_json({"same": same, "differences": diffs})
+    else:
+        for name, lines in diffs.items():
+            console().print(f"{name}: " + ("same declarations" if not lines else f"{len(lines)} difference(s)"))
+            for line in lines:
+                console().print(f"  {line}")
+    if not same:
+        raise typer.Exit(1)
+
+
+@app.command("table")
+def show_table(json_out: bool = typer.Option(False, "--json", help="Print the table as JSON.")) -> None:
+    """List the forwarded functions: command index, request fields and reply fields."""
+    from apirctl.apir import table
+    from apirctl.cli.output import console, print_json
+
+    rows = [{"index": f.index, "name": f.qualname, "deprecated": f.deprecated,
+             "request": [f"{x.name}:{x.kind.value}" for x in f.request],
+             "reply": [f"{x.name}:{x.kind.value}" for x in f.reply]} for f in table.functions()]
+    if json_out:
+        print_json(rows)
+        return
+    from rich.table import Table
+
+    t = Table("#", "function", "request", "reply")
+    for r in rows:
+        name = str(r["name"]) + (" (deprecated)" if r["deprecated"] else "")
+        t.add_row(str(r["index"]), name, ", ".join(r["request"]) or "-", ", ".join(r["reply"]) or "-")  # type: ignore[arg-type]
+    console().print(t)

@@ -2,14 +2,79 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
-from apirctl.cli.output import not_implemented
-
-app = typer.Typer(help="Test the host API-remoting backend library.", no_args_is_help=True)
+app = typer.Typer(help="Test the host API-remoting backend library (libggml-virtgpu-backend).",
+                  no_args_is_help=True)
 
 
 @app.command()
-def selftest() -> None:
-    """Load the ggml-virtgpu backend library and drive it through the APIR protocol."""
-    not_implemented("backend selftest")
+def selftest(
+    library: Path | None = typer.Option(
+        None, "--library", help="The backend library (default: the one `apirctl setup` built)."),
+    ggml_library: Path | None = typer.Option(
+        None, "--ggml-library",
+        help="The GGML backend library it wraps, e.g. libggml-cuda.so (default: the host build's GPU or CPU one)."),
+    reg: str | None = typer.Option(
+        None, "--reg", help="Its registration symbol, e.g. ggml_backend_cuda_reg (default: matches the library)."),
+    calls: int = typer.Option(1000, "--calls", min=1, help="How many cheap calls to time."),
+    graph_calls: int = typer.Option(100, "--graph-calls", min=1, help="How many graph computes to time."),
+    free_shared: bool = typer.Option(
+        False, "--free-shared-buffer", help="Also free the shared-memory buffer and deinit (crashes upstream on CPU)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+) -> None:
+    """Load the backend library in a child process and drive it through the APIR protocol.
+
+    It stands in for virglrenderer: device and buffer queries, a buffer in shared memory, tensor upload
+    and download, a matrix product plus add checked against numpy, and latencies (median, p99) of a
+    cheap call and of the graph compute. If the library crashes, the report names the call that
+    crashed it. Exits 1 when anything failed.
+    """
+    from apirctl.apir import selftest as st
+    from apirctl.cli.output import console, err_console, print_json
+
+    if json_out:
+        report = st.run(library, ggml_library, reg, cheap_calls=calls, graph_calls=graph_calls,
+                        free_shared=free_shared)
+        print_json(report.model_dump())
+    else:
+        with err_console().status("selftest") as status:
+            report = st.run(library, ggml_library, reg, cheap_calls=calls, graph_calls=graph_calls,
+                            free_shared=free_shared, progress=lambda msg: status.update(msg))
+        _print(report, console())
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+def _print(report: object, out: object) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    from apirctl.apir.selftest import SelftestReport
+
+    assert isinstance(report, SelftestReport) and isinstance(out, Console)
+    out.print(f"library      {escape(report.library)}")
+    out.print(f"GGML library {escape(report.ggml_library)} ({report.reg})")
+    if report.device:
+        d = report.device
+        out.print(f"device       {escape(d.name)} ({d.type}): {escape(d.description)}, "
+                  f"{d.memory_total >> 20} MiB, buffer type {escape(d.buffer_type)}, {report.buffer_kind} buffer")
+    for c in report.checks:
+        mark = "[green]ok[/]  " if c.ok else "[red]FAIL[/]"
+        out.print(f"  {mark} {escape(c.name)}" + (f" [dim]{escape(c.detail)}[/]" if c.detail else ""))
+    if report.latencies:
+        t = Table("call", "calls", "median µs", "p99 µs", "min µs", "max µs")
+        for lat in report.latencies:
+            t.add_row(lat.call, str(lat.calls), f"{lat.median_us:.1f}", f"{lat.p99_us:.1f}",
+                      f"{lat.min_us:.1f}", f"{lat.max_us:.1f}")
+        out.print(t)
+    for note in report.notes:
+        out.print(f"[dim]note: {escape(note)}[/]")
+    if report.crashed_in:
+        out.print(f"[red]{escape(report.crash or '')}[/]")
+        if report.stderr_tail:
+            out.print(f"[dim]{escape(report.stderr_tail)}[/]")
+    out.print("[green]selftest passed[/]" if report.ok else "[red]selftest failed[/]")
