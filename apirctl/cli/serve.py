@@ -1,36 +1,222 @@
-"""`apirctl serve`, `ps`, `logs`, `stop`: the inference containers."""
+"""`apirctl serve`, `ps`, `logs`, `stop`: the inference containers (work lives in apirctl.serve)."""
 
 from __future__ import annotations
 
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
 import typer
 
-from apirctl.cli.output import not_implemented
+SERVE_EPILOG = (
+    "Examples:\n\n"
+    "  apirctl serve smollm2                      # the demo model, http://127.0.0.1:1234/v1\n\n"
+    "  apirctl serve ./model.gguf --port 8080 --transport none\n\n"
+    "  apirctl serve smollm2 -- --temp 0.2        # anything after -- goes to llama-server"
+)
+
+_LLAMA_ARGS = typer.Argument(None, help="Extra llama-server flags, after `--`.", show_default=False)
 
 
 def serve(
-    model: str = typer.Argument(None, help="Model reference: alias, path, hf://, ollama://, https://, pypi://."),
+    model: str = typer.Argument(
+        None, help="Model: alias (smollm2), .gguf path, hf://, ollama://, https://, pypi://. "
+        "Default: the `default_model` setting."
+    ),
+    llama_args: list[str] = _LLAMA_ARGS,
+    port: int = typer.Option(None, "--port", "-p", help="Host port of the API (default 1234, must be > 1024)."),
+    name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
+    transport: str = typer.Option(
+        None, "--transport", "-t",
+        help="auto (remoting when `apirctl machine status` is ready, else none), virtgpu (macOS), "
+        "rpc (Linux host GPU over llama.cpp RPC), none (container CPU).",
+    ),
+    image: str = typer.Option(None, "--image", help="Container image (default: apirctl's local llama.cpp image)."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
+    ngl: int = typer.Option(None, "--ngl", help="Layers offloaded to the remoted GPU (default 999 = all)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads of llama-server (default: its choice)."),
+    api_key: str = typer.Option(None, "--api-key", help="Require this bearer key on the API."),
+    host_ip: str = typer.Option(
+        None, "--host-ip", help="Host address the API is published on (default 127.0.0.1: this machine only)."
+    ),
+    detach: bool = typer.Option(
+        True, "--detach/--foreground", "-d/-F",
+        help="Return once ready (default), or stay attached to the logs; Ctrl-C then stops the server.",
+    ),
+    keep: bool = typer.Option(False, "--keep", help="Keep the container when it fails, for inspection."),
+    timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the server as JSON once ready."),
 ) -> None:
-    """Launch a remoting-accelerated llama.cpp inference container and print its URL."""
-    not_implemented("serve")
+    """Start llama-server in a container on a model and wait until it answers.
+
+    Phases (image, container, loading model) are shown with their time. When ready it prints the
+    OpenAI base URL and lines to paste. If the server exits or is not ready in time, its last
+    log lines are shown and the container is removed (unless --keep).
+    """
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from apirctl import config
+    from apirctl import serve as lib
+    from apirctl.cli.output import console, err_console, print_json
+
+    opts = lib.options(
+        model or config.settings().default_model,
+        port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl, threads=threads,
+        api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
+    )
+    columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err_console(), disable=json_out) as bar:
+        tasks: list[Any] = []
+
+        def on_phase(text: str) -> None:
+            if text not in ("image", "container", "loading model", "ready"):
+                if tasks:  # a pull status line
+                    bar.update(tasks[-1], description=f"image: {text[:70]}")
+                return
+            if tasks:
+                bar.update(tasks[-1], total=1, completed=1)
+            if text != "ready":
+                tasks.append(bar.add_task(text, total=None))
+
+        try:
+            started = lib.start(opts, progress=on_phase)
+        except lib.ServeFailed as exc:
+            bar.stop()
+            if exc.log_tail:
+                err_console().print("[dim]── last log lines ──[/]")
+                err_console().out(exc.log_tail, highlight=False)
+            raise
+    server = started.server
+    if started.notice:
+        err_console().print(f"[yellow]notice:[/] {started.notice}", soft_wrap=True)
+    if json_out:
+        print_json({**server.model_dump(mode="json"), "phases": [p.model_dump() for p in started.phases]})
+    else:
+        out = console()
+        total = sum(p.seconds for p in started.phases)
+        out.print(f"[green]ready[/] in {total:.1f} s: [bold]{server.name}[/] serves {server.model} "
+                  f"({server.transport}) at [bold]{server.url}[/]", soft_wrap=True)
+        auth = f" -H 'Authorization: Bearer {opts.api_key}'" if opts.api_key else ""
+        out.print(f"  chat:  apirctl chat --url {server.url}", soft_wrap=True, highlight=False)
+        out.print(
+            f"  curl:  curl -s {server.url}/chat/completions -H 'Content-Type: application/json'{auth} "
+            """-d '{"messages":[{"role":"user","content":"Hello!"}]}'""",
+            soft_wrap=True, highlight=False, markup=False,
+        )
+        out.print(f"  logs:  apirctl logs {server.name} -f", soft_wrap=True, highlight=False)
+        out.print(f"  stop:  apirctl stop {server.name}", soft_wrap=True, highlight=False)
+    if not detach:
+        _foreground(server.name)
 
 
-def ps(all_: bool = typer.Option(False, "--all", "-a", help="Include stopped servers.")) -> None:
-    """List apirctl's inference servers."""
-    not_implemented("ps")
+def _foreground(name: str) -> None:
+    """Follow the logs; Ctrl-C stops and removes the server."""
+    from apirctl import serve as lib
+    from apirctl.cli.output import err_console
+
+    err_console().print("[dim]following the server's log; Ctrl-C stops and removes it[/]")
+    try:
+        for line in lib.logs(name, tail=0, follow=True):
+            print(line, flush=True)
+    except KeyboardInterrupt:
+        pass
+    lib.stop(name)
+    err_console().print(f"stopped {name}")
 
 
-def logs(name: str = typer.Argument(None, help="Server name.")) -> None:
-    """Show a server's logs."""
-    not_implemented("logs")
+def _uptime(created: datetime | None, state: str) -> str:
+    """How long a running server has existed, the way `podman ps` says it (2h13m, 5m3s, 12s)."""
+    if created is None or state != "running":
+        return "-"
+    seconds = max(0, int((datetime.now(timezone.utc) - created).total_seconds()))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours}h"
+    if hours:
+        return f"{hours}h{minutes}m"
+    if minutes:
+        return f"{minutes}m{secs}s"
+    return f"{secs}s"
 
 
-def stop(name: str = typer.Argument(None, help="Server name.")) -> None:
-    """Stop and remove an inference server."""
-    not_implemented("stop")
+def ps(
+    all_: bool = typer.Option(False, "--all", "-a", help="Include stopped servers."),
+    json_out: bool = typer.Option(False, "--json", help="Print the servers as a JSON list."),
+) -> None:
+    """List inference servers: apirctl's and the upstream Podman Desktop extension's (by label).
+
+    HEALTH is llama-server's /health, asked now: ok, loading, error or unreachable.
+    """
+    from rich.table import Table
+
+    from apirctl import serve as lib
+    from apirctl.cli.output import console, print_json
+
+    servers = lib.list_servers(all=all_)
+    if json_out:
+        print_json([s.model_dump(mode="json") for s in servers])
+        return
+    if not servers:
+        console().print("no inference servers" + ("" if all_ else " running (`apirctl ps -a` shows stopped ones)"))
+        return
+    header = ("NAME", "MODEL", "TRANSPORT", "URL", "STATE", "HEALTH", "UPTIME")
+    rows = [(s.name, s.model, s.transport, s.url, s.state, s.health, _uptime(s.created, s.state)) for s in servers]
+    if not console().is_terminal:  # pipes get plain aligned columns, never wrapped or cut
+        widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+        for row in [header, *rows]:
+            print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
+        return
+    table = Table(box=None, header_style="bold")
+    for column in header:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        colour = {"ok": "green", "loading": "yellow"}.get(row[5], "red" if row[5] != "-" else "dim")
+        table.add_row(*row[:5], f"[{colour}]{row[5]}[/]", row[6])
+    console().print(table)
+
+
+def logs(
+    name: str = typer.Argument(None, help="Server name (optional when one server runs)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until Ctrl-C."),
+    tail: int = typer.Option(None, "--tail", "-n", help="Only the last N lines."),
+) -> None:
+    """Print a server's llama-server log (stdout and stderr)."""
+    from apirctl import serve as lib
+
+    try:
+        for line in lib.logs(name, tail=tail, follow=follow):
+            sys.stdout.write(line + "\n")
+            if follow:
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        return
+
+
+def stop(
+    name: str = typer.Argument(None, help="Server name (optional when only one exists)."),
+    all_: bool = typer.Option(False, "--all", "-a", help="Stop and remove every apirctl server."),
+    json_out: bool = typer.Option(False, "--json", help="Print the removed servers' names as JSON."),
+) -> None:
+    """Stop and remove an inference server (its container; the model stays in the store)."""
+    from apirctl import serve as lib
+    from apirctl.cli.output import console, print_json
+    from apirctl.errors import ApirctlError
+
+    if name and all_:
+        raise ApirctlError("give a server name or --all, not both")
+    stopped = lib.stop(name, all=all_)
+    if json_out:
+        print_json({"stopped": stopped})
+    elif stopped:
+        console().print("stopped and removed: " + ", ".join(stopped))
+    else:
+        console().print("no apirctl servers to stop")
 
 
 def register(app: typer.Typer) -> None:
-    app.command()(serve)
+    app.command(epilog=SERVE_EPILOG, context_settings={"allow_interspersed_args": True})(serve)
     app.command()(ps)
     app.command()(logs)
     app.command()(stop)

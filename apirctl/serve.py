@@ -1,0 +1,534 @@
+"""Inference containers: create one, wait until it serves, list, read logs, stop.
+
+A server is a Podman container running llama-server with the model mounted read-only and
+its port published on the host's loopback by default (the upstream extension publishes on
+every interface; an inference API without a key should not be reachable from the network).
+Containers carry the labels Podman AI Lab and Podman Desktop read to list an inference
+service, plus apirctl's own, so `ps`, `chat` and `bench` find servers from labels alone, and
+servers started by the upstream extension are found too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import re
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from apirctl import __version__
+from apirctl.errors import ApirctlError
+
+if TYPE_CHECKING:
+    from podman.domain.containers import Container
+
+    from apirctl.transport import Plan
+
+CONTAINER_PORT = 8000
+MODELS_DIR = "/models"
+LOG_TAIL_LINES = 20
+STOP_TIMEOUT = 10
+DOCS_URL = "https://github.com/ggml-org/llama.cpp/tree/master/tools/server"
+
+# Our labels (the key `apirctl.version` marks a container as ours).
+L_VERSION = "apirctl.version"
+L_MODEL = "apirctl.model"
+L_TRANSPORT = "apirctl.transport"
+L_HOST_IP = "apirctl.host-ip"
+# Labels of the upstream Podman Desktop extension and Podman AI Lab.
+L_APIR = "llama-cpp.apir"
+L_API = "api"
+L_AI_LAB = "ai-lab-inference-server"
+L_GPU = "gpu"
+L_DOCS = "docs"
+L_TRACKING = "trackingId"
+
+GPU_LABELS = {"virtgpu": "llama.cpp API Remoting", "rpc": "llama.cpp RPC remoting", "none": "none (container CPU)"}
+_RUNNING = ("running",)
+_STARTING = ("created", "configured", "initialized")
+
+
+class ServeOptions(BaseModel):
+    """Everything `apirctl serve` takes; defaults come from `apirctl.config`."""
+
+    model: str
+    port: int = 1234
+    name: str | None = None
+    transport: str = "auto"
+    image: str | None = None
+    ctx_size: int = 4096
+    ngl: int = 999
+    threads: int | None = None
+    api_key: str | None = None
+    host_ip: str = "127.0.0.1"
+    keep: bool = False
+    timeout: float = 300.0
+    rpc_port: int = 50052
+    llama_args: list[str] = Field(default_factory=list)
+
+
+class Server(BaseModel):
+    """One inference server as `ps`, `chat` and `bench` see it."""
+
+    name: str
+    id: str
+    model: str
+    transport: str
+    url: str  # the OpenAI base URL, .../v1
+    state: str  # podman's: running, exited, created...
+    health: str  # ok, loading, error, unreachable, or "-" when not running
+    port: int | None
+    created: datetime | None = None
+    image: str = ""
+    managed: bool = True  # False for servers of the upstream extension
+
+    @property
+    def base(self) -> str:
+        """The server root (without /v1), where /health lives."""
+        return self.url.removesuffix("/v1")
+
+
+class Phase(BaseModel):
+    name: str
+    seconds: float
+
+
+class Started(BaseModel):
+    """What `start` returns: the server, each phase's duration and the transport notice."""
+
+    server: Server
+    phases: list[Phase]
+    notice: str | None = None
+    log_hint: str | None = None
+
+
+class ServeFailed(ApirctlError):
+    """The server did not become ready; `log_tail` holds the container's last lines."""
+
+    def __init__(self, message: str, log_tail: str = "", hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.log_tail = log_tail
+
+
+ProgressFn = Callable[[str], None]
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+def options(model: str, **flags: Any) -> ServeOptions:
+    """ServeOptions from the effective settings (config file, environment) and the given flags."""
+    from apirctl import config
+
+    keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port")
+    known = {k: v for k, v in flags.items() if k in keys}
+    settings = config.load(known).settings
+    values: dict[str, Any] = {k: getattr(settings, k) for k in keys}
+    values["timeout"] = settings.health_timeout
+    values.update({k: v for k, v in flags.items() if k not in keys and v is not None})
+    return ServeOptions(model=model, **values)
+
+
+def _connect_host(host_ip: str) -> str:
+    """Where the host reaches a port published on `host_ip` (any-address means loopback)."""
+    if host_ip in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host_ip == "::":
+        return "::1"
+    return host_ip
+
+
+def _url(host_ip: str, port: int) -> str:
+    host = _connect_host(host_ip)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/v1"
+
+
+def check_port(host_ip: str, port: int) -> None:
+    """A clear error for a privileged or busy port, before anything is created."""
+    if not 1024 < port < 65536:
+        raise ApirctlError(f"port {port} is not allowed: choose one from 1025 to 65535")
+    try:
+        address = ipaddress.ip_address(host_ip)
+    except ValueError:
+        raise ApirctlError(f"--host-ip {host_ip!r} is not an IP address (default 127.0.0.1)") from None
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host_ip, port))
+        except OSError as exc:
+            owner = next((s.name for s in list_servers() if s.port == port), None)
+            by = f" by apirctl server {owner}" if owner else ""
+            hint = f"stop it with `apirctl stop {owner}`" if owner else "pick another one with --port"
+            raise ApirctlError(f"port {port} on {host_ip} is in use{by} ({exc.strerror})", hint=hint) from None
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+def resolve_model(ref: str) -> tuple[Path, str]:
+    """The GGUF file for a model reference and a short display name.
+
+    Paths are used as they are; other references go through the model store
+    (`apirctl.models.resolve`), which fetches what is missing.
+    """
+    path = Path(ref).expanduser()
+    if path.exists() or ref.startswith(("/", "./", "../", "~")):
+        if not path.is_file():
+            raise ApirctlError(f"model file {path} does not exist" if not path.exists() else f"{path} is not a file")
+        return path.resolve(), path.stem
+    from apirctl import models
+
+    resolve = getattr(models, "resolve", None)
+    if resolve is None:
+        raise ApirctlError(f"model {ref!r} not found", hint="give the path of a .gguf file")
+    found = resolve(ref)
+    found_path = Path(getattr(found, "path", found))
+    name = getattr(found, "name", None) or ref
+    return found_path.resolve(), str(name)
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "model"
+
+
+# --- listing -----------------------------------------------------------------------------------
+
+
+def _containers(all_: bool) -> list[Container]:
+    from apirctl import engine
+
+    seen: dict[str, Container] = {}
+    for label in (L_VERSION, L_APIR):
+        for container in engine.client().containers.list(all=all_, filters={"label": label}):
+            seen.setdefault(container.id, container)
+    return list(seen.values())
+
+
+def _created(attrs: dict[str, Any]) -> datetime | None:
+    value = attrs.get("Created")
+    if isinstance(value, (int, float)):
+        return datetime.fromtimestamp(value, tz=timezone.utc)
+    if isinstance(value, str) and value:
+        with contextlib.suppress(ValueError):
+            return datetime.fromisoformat(re.sub(r"(\.\d{6})\d+", r"\1", value).replace("Z", "+00:00"))
+    return None
+
+
+def health(base: str, timeout: float = 1.0) -> str:
+    """llama-server's /health: ok, loading (503 while the model loads), error, or unreachable."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{base}/health", timeout=timeout)
+    except httpx.HTTPError:
+        return "unreachable"
+    if response.status_code == 200:
+        return "ok"
+    if response.status_code == 503:
+        return "loading"
+    return "error"
+
+
+def _server(container: Container, probe_health: bool = True) -> Server:
+    labels: dict[str, str] = container.labels or {}
+    attrs = container.attrs
+    ours = L_VERSION in labels
+    url = labels.get(L_API, "")
+    port_match = re.search(r":(\d+)(?:/|$)", url)
+    port = int(port_match.group(1)) if port_match else None
+    model = labels.get(L_MODEL)
+    if not model:
+        with contextlib.suppress(ValueError, TypeError, IndexError):
+            model = Path(json.loads(labels.get(L_AI_LAB, "[]"))[0]).name
+    transport = labels.get(L_TRANSPORT) or ("virtgpu" if labels.get(L_APIR) == "true" else "none")
+    state = str(attrs.get("State") if isinstance(attrs.get("State"), str) else container.status)
+    running = state in _RUNNING
+    names = attrs.get("Names")
+    name = names[0] if isinstance(names, list) and names else container.name
+    image = attrs.get("Image") or ""
+    return Server(
+        name=str(name).lstrip("/"),
+        id=container.id,
+        model=model or "?",
+        transport=transport,
+        url=url,
+        state=state,
+        health=(health(url.removesuffix("/v1")) if url else "unreachable") if running and probe_health else "-",
+        port=port,
+        created=_created(attrs),
+        image=str(image),
+        managed=ours,
+    )
+
+
+def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]:  # noqa: A002
+    """apirctl's servers (and the upstream extension's), newest first; `all` adds stopped ones."""
+    servers = [_server(c, probe_health) for c in _containers(all)]
+    epoch = datetime.fromtimestamp(0, tz=timezone.utc)
+    return sorted(servers, key=lambda s: s.created or epoch, reverse=True)
+
+
+def find_server(name: str | None = None, all: bool = False) -> Server:  # noqa: A002
+    """The server called `name` (name or id prefix); without a name, the only one running."""
+    servers = list_servers(all=all or name is not None)
+    if name:
+        for server in servers:
+            if name in (server.name, server.id) or (len(name) >= 6 and server.id.startswith(name)):
+                return server
+        known = ", ".join(s.name for s in servers) or "none"
+        raise ApirctlError(f"no inference server named {name!r} (servers: {known})", hint="see `apirctl ps -a`")
+    running = [s for s in servers if s.state in _RUNNING]
+    if not running:
+        raise ApirctlError("no inference server is running", hint="start one with `apirctl serve MODEL`")
+    if len(running) > 1:
+        names = ", ".join(s.name for s in running)
+        raise ApirctlError(f"several inference servers are running ({names})", hint="name one of them")
+    return running[0]
+
+
+def _container(server: Server) -> Container:
+    from podman.errors import NotFound
+
+    from apirctl import engine
+
+    try:
+        return engine.client().containers.get(server.id)
+    except NotFound:
+        raise ApirctlError(f"inference server {server.name} no longer exists") from None
+
+
+# --- starting ----------------------------------------------------------------------------------
+
+
+def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None) -> str:
+    """The image to run: --image, else the transport's, else apirctl's local build."""
+    from apirctl import engine
+
+    chosen = opts.image or plan.image
+    if chosen:
+        if not engine.image_exists(chosen):
+            if chosen.startswith("localhost/"):
+                raise ApirctlError(f"image {chosen} does not exist", hint="build it with `apirctl setup`")
+            engine.pull(chosen, on_status)
+        return chosen
+    from apirctl import image, llamacpp
+
+    build = llamacpp.container_build()
+    if build is None:
+        raise ApirctlError("the inference image is not built yet", exit_code=127, hint="run `apirctl setup`")
+    return image.ensure(build)
+
+
+def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str) -> dict[str, str]:
+    return {
+        L_VERSION: __version__,
+        L_MODEL: model_name,
+        L_TRANSPORT: plan.transport,
+        L_HOST_IP: opts.host_ip,
+        L_APIR: "true" if plan.transport == "virtgpu" else "false",
+        L_API: _url(opts.host_ip, opts.port),
+        L_AI_LAB: json.dumps([str(model_path.parent)]),
+        L_GPU: GPU_LABELS[plan.transport],
+        L_DOCS: DOCS_URL,
+        L_TRACKING: secrets.token_hex(8),
+    }
+
+
+def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list[str]:
+    command = [
+        "--model", f"{MODELS_DIR}/{model_file}",
+        "--host", "0.0.0.0",  # inside the container; the host side is published on --host-ip only
+        "--port", str(CONTAINER_PORT),
+        "--ctx-size", str(opts.ctx_size),
+        "--alias", model_name,
+    ]
+    if opts.threads:
+        command += ["--threads", str(opts.threads)]
+    if opts.api_key:
+        command += ["--api-key", opts.api_key]
+    return command
+
+
+def _pick_name(opts: ServeOptions, model_name: str) -> str:
+    from apirctl import engine
+
+    existing = {c.name for c in engine.client().containers.list(all=True)}
+    if opts.name:
+        if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", opts.name):
+            raise ApirctlError(f"invalid server name {opts.name!r}: use letters, digits, '_', '.' and '-'")
+        if opts.name in existing:
+            raise ApirctlError(f"a container named {opts.name} already exists",
+                               hint=f"stop it with `apirctl stop {opts.name}` or pick another --name")
+        return opts.name
+    base = f"apirctl-{_slug(model_name)}"
+    for candidate in (base, f"{base}-{opts.port}"):
+        if candidate not in existing:
+            return candidate
+    raise ApirctlError(f"containers {base} and {base}-{opts.port} already exist", hint="pass --name")
+
+
+def _one_virtgpu_at_a_time(plan: Plan) -> None:
+    if plan.transport != "virtgpu":
+        return
+    for server in list_servers(probe_health=False):
+        if server.transport == "virtgpu" and server.state in _RUNNING:
+            raise ApirctlError(
+                f"an API-remoting server is already running: {server.name} ({server.url})",
+                hint=f"only one virtgpu container can run at a time; stop it with `apirctl stop {server.name}`",
+            )
+
+
+def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
+    """Create the container, start it and wait until /health says ok.
+
+    `progress` is called with each phase's name as it begins. On failure the container's last
+    log lines come with the error (`ServeFailed.log_tail`) and the container is removed unless
+    `opts.keep`.
+    """
+    from apirctl import engine, transport
+    from apirctl.engine import BindMount, ContainerSpec
+
+    phases: list[Phase] = []
+    current: list[tuple[str, float]] = []
+
+    def phase(name: str) -> None:
+        """Close the running phase and open `name` (the CLI shows it with elapsed time)."""
+        now = time.monotonic()
+        if current:
+            phases.append(Phase(name=current[0][0], seconds=now - current[0][1]))
+        current[:] = [(name, now)]
+        if progress:
+            progress(name)
+
+    model_path, model_name = resolve_model(opts.model)
+    check_port(opts.host_ip, opts.port)
+    plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port)
+    _one_virtgpu_at_a_time(plan)
+    name = _pick_name(opts, model_name)
+
+    phase("image")
+    image_ref = _image_for(opts, plan, progress)
+    spec = ContainerSpec(
+        image=image_ref,
+        name=name,
+        command=_llama_command(opts, model_path.name, model_name),
+        entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"],
+        labels=_labels(opts, plan, model_path, model_name),
+        mounts=[BindMount(source=model_path, target=f"{MODELS_DIR}/{model_path.name}", read_only=True)],
+        ports={CONTAINER_PORT: (opts.host_ip, opts.port)},
+    )
+    spec = plan.apply(spec)
+    spec.command += opts.llama_args
+
+    phase("container")
+    container = engine.create(spec)
+    try:
+        try:
+            container.start()
+        except Exception as exc:  # podman-py raises APIError; keep the message, drop the trace
+            raise engine.start_failure(exc, f"cannot start {name}") from exc
+        phase("loading model")
+        base = _url(opts.host_ip, opts.port).removesuffix("/v1")
+        _wait_ready(container, base, opts.timeout)
+        phase("ready")
+    except BaseException as exc:
+        tail = _safe_tail(container)
+        if not opts.keep:
+            engine.remove(container, timeout=2)
+        if isinstance(exc, ServeFailed):
+            exc.log_tail = exc.log_tail or tail
+            raise
+        if isinstance(exc, ApirctlError):
+            raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
+        raise
+    server = _server(container_by_id(container.id))
+    return Started(server=server, phases=phases, notice=plan.notice)
+
+
+def container_by_id(container_id: str) -> Container:
+    from apirctl import engine
+
+    return engine.client().containers.get(container_id)
+
+
+def _safe_tail(container: Container) -> str:
+    from apirctl import engine
+
+    try:
+        return engine.container_logs(container, tail=LOG_TAIL_LINES).rstrip()
+    except Exception:  # the container may be gone already; the error matters more than its log
+        return ""
+
+
+def _wait_ready(container: Container, base: str, timeout: float) -> None:
+    """Poll /health until ok, failing fast when the container stops."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    while True:
+        container.reload()
+        if container.status not in _RUNNING + _STARTING:
+            code = container.attrs.get("State", {}).get("ExitCode")
+            raise ServeFailed(
+                f"the server exited (code {code}) before it was ready",
+                hint="its last log lines are above; fix the model or flags and retry",
+            )
+        state = health(base, timeout=2.0)
+        if state == "ok":
+            return
+        if time.monotonic() > deadline:
+            raise ServeFailed(
+                f"the server was not ready after {timeout:g} s (health: {state})",
+                hint="raise the limit with APIRCTL_HEALTH_TIMEOUT, or see the log lines above",
+            )
+        time.sleep(delay)
+        delay = min(delay * 1.5, 0.25)
+
+
+# --- logs and stop -----------------------------------------------------------------------------
+
+
+def logs(name: str | None = None, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+    """A server's log lines (stopped servers too); with `follow`, until it stops."""
+    from apirctl import engine
+
+    server = find_server(name, all=True) if name else find_server(None)
+    container = _container(server)
+    if follow:
+        yield from engine.follow_logs(container, tail=tail)
+        return
+    text = engine.container_logs(container, tail=tail)
+    yield from text.splitlines()
+
+
+def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002
+    """Stop and remove servers; returns their names. Without a name, the only server there is."""
+    from apirctl import engine
+
+    if all:
+        targets = [s for s in list_servers(all=True, probe_health=False) if s.managed]
+    elif name:
+        targets = [find_server(name, all=True)]
+    else:
+        servers = list_servers(all=True, probe_health=False)
+        if not servers:
+            raise ApirctlError("no inference server to stop", hint="`apirctl ps -a` lists them")
+        if len(servers) > 1:
+            names = ", ".join(s.name for s in servers)
+            raise ApirctlError(f"several inference servers exist ({names})", hint="name one, or use --all")
+        targets = servers
+    stopped = []
+    for server in targets:
+        with contextlib.suppress(ApirctlError):
+            engine.remove(_container(server), timeout=STOP_TIMEOUT)
+            stopped.append(server.name)
+    return stopped

@@ -1,0 +1,170 @@
+"""How an inference container reaches the host GPU: `none`, `rpc`, `virtgpu`, or `auto`.
+
+A transport is only a difference in the container's wiring, so each one is a `Plan`: devices,
+network, SELinux options, environment and llama.cpp flags that `Plan.apply` adds to a
+`engine.ContainerSpec`. Serve and bench share it, so both run the same container shape.
+
+- `none`: llama.cpp on the container's own CPU; nothing added.
+- `rpc` (Linux): the host runs `ggml-rpc-server` on 127.0.0.1; the container joins slirp4netns
+  with `allow_host_loopback`, where the host's loopback is 10.0.2.2, and llama.cpp gets
+  `--rpc 10.0.2.2:PORT`. Nothing listens on a routable address.
+- `virtgpu` (macOS): the container gets `/dev/dri` (the virtio-gpu of the krunkit VM) with
+  SELinux labelling off; its ggml-virtgpu frontend forwards to the host's Metal backend.
+  The image comes from the active API-remoting bundle when one is installed.
+- `auto`: the remoting transport of this platform when `machine status` says it is ready,
+  else `none` with a notice saying why and what to run.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, Field
+
+from apirctl.errors import ApirctlError
+
+if TYPE_CHECKING:
+    from apirctl.engine import ContainerSpec
+    from apirctl.machine import MachineStatus
+
+Kind = Literal["none", "rpc", "virtgpu"]
+TRANSPORTS = ("auto", "virtgpu", "rpc", "none")
+# slirp4netns maps the host's 127.0.0.1 to this address when allow_host_loopback is on.
+SLIRP_HOST_LOOPBACK = "10.0.2.2"
+
+
+class Plan(BaseModel):
+    """The container wiring of one transport."""
+
+    transport: Kind
+    requested: str
+    image: str | None = None  # an image the transport needs (virtgpu: the bundle's), else the default
+    devices: list[str] = Field(default_factory=list)
+    network_mode: str | None = None
+    network_options: dict[str, list[str]] = Field(default_factory=dict)
+    security_opt: list[str] = Field(default_factory=list)
+    environment: dict[str, str] = Field(default_factory=dict)
+    llama_args: list[str] = Field(default_factory=list)
+    notice: str | None = None  # why `auto` chose what it chose
+
+    @property
+    def remoting(self) -> bool:
+        return self.transport != "none"
+
+    def apply(self, spec: ContainerSpec) -> ContainerSpec:
+        """A copy of `spec` with this transport's devices, network, env and llama.cpp flags."""
+        return spec.model_copy(
+            update={
+                "devices": [*spec.devices, *self.devices],
+                "network_mode": self.network_mode or spec.network_mode,
+                "network_options": {**spec.network_options, **self.network_options},
+                "security_opt": [*spec.security_opt, *self.security_opt],
+                "environment": {**spec.environment, **self.environment},
+                "command": [*spec.command, *self.llama_args],
+            },
+            deep=True,
+        )
+
+
+def _ready(status: MachineStatus) -> bool:
+    from apirctl.machine import MachineState
+
+    return status.state in (MachineState.READY, MachineState.SERVING)
+
+
+def machine_status() -> MachineStatus | None:
+    """This platform's remoting status, or None where the platform module is not available."""
+    try:
+        from apirctl.machine import platform
+
+        return platform().status()
+    except ImportError:
+        return None
+
+
+def _not_ready(kind: str, status: MachineStatus | None) -> ApirctlError:
+    summary = status.summary if status else "the remoting backend is not available on this host"
+    hint = (status.next_step if status else None) or "start it with `apirctl machine restart --remoting`"
+    return ApirctlError(f"the {kind} transport is not ready: {summary}", hint=hint)
+
+
+def _bundle_image() -> str | None:
+    """The container image named by the active macOS bundle, if bundles exist yet."""
+    try:
+        from apirctl import bundle
+    except ImportError:
+        return None
+    active = bundle.active()
+    return getattr(active, "image", None) if active is not None else None
+
+
+def rpc_plan(port: int, ngl: int, requested: str = "rpc") -> Plan:
+    """The rpc wiring for a host backend on 127.0.0.1:`port`."""
+    return Plan(
+        transport="rpc",
+        requested=requested,
+        network_mode="slirp4netns",
+        network_options={"slirp4netns": ["allow_host_loopback=true"]},
+        llama_args=["--rpc", f"{SLIRP_HOST_LOOPBACK}:{port}", "--n-gpu-layers", str(ngl)],
+    )
+
+
+def virtgpu_plan(ngl: int, image: str | None = None, requested: str = "virtgpu") -> Plan:
+    """The virtgpu wiring: the VM's virtio-gpu device, unlabelled, all layers offloaded."""
+    return Plan(
+        transport="virtgpu",
+        requested=requested,
+        image=image,
+        devices=["/dev/dri"],
+        security_opt=["label=disable"],
+        llama_args=["--n-gpu-layers", str(ngl)],
+    )
+
+
+def plan(
+    requested: str,
+    *,
+    ngl: int = 999,
+    rpc_port: int = 50052,
+    status: MachineStatus | None = None,
+    platform_name: str | None = None,
+) -> Plan:
+    """Resolve a requested transport into its wiring, or a one-line error saying what to do.
+
+    `status` is the machine status (asked for when not given); `platform_name` defaults to
+    this host's `sys.platform`.
+    """
+    if requested not in TRANSPORTS:
+        raise ApirctlError(f"unknown transport {requested!r} (choose from {', '.join(TRANSPORTS)})")
+    if requested == "none":
+        return Plan(transport="none", requested=requested)
+    darwin = (platform_name or sys.platform) == "darwin"
+    if requested == "virtgpu" and not darwin:
+        raise ApirctlError(
+            "the virtgpu transport needs macOS API remoting (a krunkit podman machine)",
+            hint="on Linux use `--transport rpc` (after `apirctl machine restart --remoting`) or `none`",
+        )
+    if requested == "rpc" and darwin:
+        raise ApirctlError("the rpc transport is for Linux hosts", hint="on macOS use `--transport virtgpu`")
+    if status is None:
+        status = machine_status()
+    ready = status is not None and _ready(status)
+    if requested == "auto":
+        if not ready:
+            why = status.summary if status else "no remoting backend on this host"
+            step = f"; {status.next_step}" if status and status.next_step else ""
+            return Plan(
+                transport="none",
+                requested=requested,
+                notice=f"remoting is not ready ({why}): running on the container's CPU{step}",
+            )
+        requested_kind = "virtgpu" if darwin else "rpc"
+    else:
+        if not ready:
+            raise _not_ready(requested, status)
+        requested_kind = requested
+    if requested_kind == "virtgpu":
+        return virtgpu_plan(ngl, image=_bundle_image(), requested=requested)
+    port = int((status.details.get("port") if status else None) or rpc_port)
+    return rpc_plan(port, ngl, requested=requested)
