@@ -1,0 +1,403 @@
+"""macOS: the libkrun Podman machine, restarted so that krunkit loads the API-remoting stack.
+
+`restart --remoting` replaces the upstream shell scripts with one checked sequence: podman and
+the libkrun machine exist, the bundle's backend passes its selftest, krunkit is patched into the
+bundle, the machine is stopped and started with the variables that make krunkit load the
+bundle's virglrenderer (which loads the ggml-virtgpu backend, which loads ggml-metal), and
+`lsof` proves the running krunkit mapped the bundle's own file (compared by path, not by a
+substring of the version). Any failure after the stop restarts the machine without remoting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from apirctl.errors import ApirctlError
+from apirctl.machine import MachineState, MachineStatus, RestartOptions
+from apirctl.paths import dirs, ensure
+
+if TYPE_CHECKING:
+    from apirctl.bundle import Bundle
+
+PLATFORM = "macos"
+PROVIDER = "libkrun"
+DEFAULT_MACHINE = "podman-machine-default"
+VFKIT_TYPES = ("applehv", "vfkit")
+#: The label the Podman Desktop extension (and `apirctl serve`) puts on remoting servers.
+SERVER_LABEL = "llama-cpp.apir=true"
+#: Variables only a remoting start sets; a plain start removes them.
+REMOTING_VARIABLES = (
+    "CONTAINERS_HELPER_BINARY_DIR", "DYLD_LIBRARY_PATH", "VIRGL_APIR_BACKEND_LIBRARY",
+    "APIR_LLAMA_CPP_GGML_LIBRARY_PATH", "APIR_LLAMA_CPP_GGML_LIBRARY_REG", "VIRGL_ROUTE_VENUS_TO_APIR",
+    "VIRGL_APIR_LOG_TO_FILE", "APIR_LLAMA_CPP_LOG_TO_FILE",
+)
+LOG_FILES = {"VIRGL_APIR_LOG_TO_FILE": "virglrenderer-apir.log", "APIR_LLAMA_CPP_LOG_TO_FILE": "apir-llama-cpp.log"}
+#: How long to wait for krunkit to show up after `podman machine start` returned.
+KRUNKIT_WAIT_S = 20.0
+PODMAN_TIMEOUT_S = 300.0
+
+
+# --- podman and lsof ------------------------------------------------------------------------------
+
+
+def _podman() -> str:
+    exe = shutil.which("podman")
+    if exe is None:
+        raise ApirctlError("podman is not installed", exit_code=127,
+                           hint="install Podman (https://podman.io) or `brew install podman`")
+    return exe
+
+
+def _machine_env(extra: dict[str, str] | None = None, plain: bool = False) -> dict[str, str]:
+    env = dict(os.environ)
+    env["CONTAINERS_MACHINE_PROVIDER"] = PROVIDER
+    if plain:
+        for name in REMOTING_VARIABLES:
+            env.pop(name, None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str] | None = None,
+         timeout: float = PODMAN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    try:
+        return subprocess.run(args, env=env or _machine_env(), capture_output=True, text=True,
+                              timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise ApirctlError(f"`{' '.join(args[:3])}` did not finish in {timeout:.0f} s") from exc
+
+
+def _why(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [ln for ln in (proc.stderr or proc.stdout or "").strip().splitlines() if ln.strip()]
+    return lines[-1].removeprefix("Error: ") if lines else f"exit code {proc.returncode}"
+
+
+def inspect(name: str | None = None) -> dict[str, Any] | None:
+    """`podman machine inspect` of the libkrun machine; None when it does not exist."""
+    proc = _run([_podman(), "machine", "inspect", name or DEFAULT_MACHINE])
+    if proc.returncode != 0:
+        if "does not exist" in (proc.stderr or ""):
+            return None
+        raise ApirctlError(f"podman machine inspect failed: {_why(proc)}")
+    try:
+        found = json.loads(proc.stdout or "[]")
+    except ValueError as exc:
+        raise ApirctlError("podman machine inspect printed something that is not JSON") from exc
+    return found[0] if found else None
+
+
+def machines() -> list[dict[str, Any]]:
+    """All machines of all providers (`podman machine list --all-providers --format json`)."""
+    exe = _podman()
+    proc = _run([exe, "machine", "list", "--all-providers", "--format", "json"], env=dict(os.environ))
+    if proc.returncode != 0:  # podman before 5.2 has no --all-providers
+        proc = _run([exe, "machine", "list", "--format", "json"], env=dict(os.environ))
+    if proc.returncode != 0:
+        return []
+    try:
+        rows = json.loads(proc.stdout or "[]")
+    except ValueError:
+        return []
+    return rows if isinstance(rows, list) else []
+
+
+def krunkit_files() -> tuple[int | None, list[str]]:
+    """The pid of the running krunkit and the files it has open or mapped (`lsof -c krunkit -Fn`)."""
+    exe = shutil.which("lsof")
+    if exe is None:
+        return None, []
+    try:
+        proc = subprocess.run([exe, "-c", "krunkit", "-Fn"], capture_output=True, text=True, timeout=30,
+                              check=False)
+    except subprocess.TimeoutExpired:
+        return None, []
+    pid: int | None = None
+    names: list[str] = []
+    for line in proc.stdout.splitlines():
+        if line.startswith("p") and pid is None:
+            pid = int(line[1:]) if line[1:].isdigit() else None
+        elif line.startswith("n"):
+            names.append(line[1:])
+    return pid, names
+
+
+def _same_file(a: str | Path, b: str | Path) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except OSError:
+        return False
+
+
+def mapped_virglrenderers() -> tuple[int | None, list[str]]:
+    pid, names = krunkit_files()
+    return pid, [n for n in names if Path(n).name.startswith("libvirglrenderer")]
+
+
+def _expected_virgl(b: Bundle) -> Path | None:
+    return b.bin_dir / b.virglrenderer if b.virglrenderer else None
+
+
+def bundle_in_use(b: Bundle) -> bool:
+    """Whether the running krunkit mapped this bundle's virglrenderer."""
+    expected = _expected_virgl(b)
+    if expected is None or shutil.which("podman") is None:
+        return False
+    _pid, virgl = mapped_virglrenderers()
+    return any(_same_file(v, expected) for v in virgl)
+
+
+def remoting_servers() -> list[dict[str, Any]]:
+    """Running containers labelled as API-remoting inference servers (empty when unknown)."""
+    proc = _run([_podman(), "ps", "--filter", f"label={SERVER_LABEL}", "--format", "json"],
+                env=dict(os.environ), timeout=60)
+    if proc.returncode != 0:
+        return []
+    try:
+        rows = json.loads(proc.stdout or "[]")
+    except ValueError:
+        return []
+    return rows if isinstance(rows, list) else []
+
+
+def remoting_env(b: Bundle) -> dict[str, str]:
+    """The variables of a remoting start, pointing into bundle `b` (see docs/macos.md)."""
+    logs = ensure(dirs().logs)
+    env = {
+        "CONTAINERS_MACHINE_PROVIDER": PROVIDER,
+        "CONTAINERS_HELPER_BINARY_DIR": str(b.bin_dir),
+        "DYLD_LIBRARY_PATH": str(b.bin_dir),
+        "VIRGL_APIR_BACKEND_LIBRARY": str(b.backend_path),
+        "APIR_LLAMA_CPP_GGML_LIBRARY_PATH": str(b.ggml_path),
+        "APIR_LLAMA_CPP_GGML_LIBRARY_REG": b.ggml_reg,
+        "VIRGL_ROUTE_VENUS_TO_APIR": "1",
+    }
+    for var, file in LOG_FILES.items():
+        env[var] = str(logs / file)
+    return env
+
+
+# --- status ---------------------------------------------------------------------------------------
+
+
+def _st(state: MachineState, summary: str, next_step: str | None = None, **details: Any) -> MachineStatus:
+    return MachineStatus(platform=PLATFORM, state=state, summary=summary, next_step=next_step,
+                         details={k: v for k, v in details.items() if v is not None})
+
+
+INIT_HINT = "CONTAINERS_MACHINE_PROVIDER=libkrun podman machine init"
+
+
+def status(name: str | None = None) -> MachineStatus:
+    """The remoting state, precisely, with the next step to take."""
+    from apirctl import bundle
+
+    machine_name = name or DEFAULT_MACHINE
+    if shutil.which("podman") is None:
+        return _st(MachineState.NOT_INSTALLED, "podman is not installed",
+                   "install Podman (https://podman.io) or `brew install podman`")
+    b = bundle.active()
+    if b is None:
+        return _st(MachineState.NOT_INSTALLED, "no API-remoting bundle is installed",
+                   "apirctl install --from RELEASE.tar.gz (a tarball, directory or URL)")
+    common: dict[str, Any] = {"machine": machine_name, "bundle": b.version, "bundle_path": str(b.path),
+                              "image": b.image}
+    stated = b.version_on_disk()
+    if stated is None:
+        return _st(MachineState.UNKNOWN_VERSION, f"the version of bundle {b.version} cannot be read "
+                   f"({b.path / 'src_info/version.txt'})",
+                   f"reinstall it: apirctl uninstall {b.version} && apirctl install --from ...", **common)
+    for row in machines():
+        if row.get("Running") and str(row.get("VMType", "")).lower() in VFKIT_TYPES:
+            return _st(MachineState.VFKIT, f"machine {row.get('Name')} runs with vfkit, which cannot do API remoting",
+                       f"podman machine stop {row.get('Name')}; {INIT_HINT}; apirctl machine restart --remoting",
+                       **common)
+    info = inspect(name)
+    if info is None:
+        return _st(MachineState.NOT_RUNNING, f"there is no libkrun machine {machine_name}",
+                   f"{INIT_HINT}, then apirctl machine restart --remoting", **common)
+    if str(info.get("State", "")).lower() != "running":
+        return _st(MachineState.NOT_RUNNING, f"machine {machine_name} is not running",
+                   "apirctl machine restart --remoting", **common)
+    pid, virgl = mapped_virglrenderers()
+    expected = _expected_virgl(b)
+    common.update(krunkit_pid=pid, virglrenderer=", ".join(virgl) or None)
+    if expected is None or not any(_same_file(v, expected) for v in virgl):
+        return _st(MachineState.NO_REMOTING, f"machine {machine_name} runs without API remoting",
+                   "apirctl machine restart --remoting", **common)
+    servers = remoting_servers()
+    if servers:
+        names = ", ".join(str((s.get("Names") or [s.get("Id", "?")])[0]) for s in servers)
+        return _st(MachineState.SERVING, f"krunkit runs with API remoting ({b.version}); serving: {names}",
+                   "apirctl chat", servers=names, **common)
+    return _st(MachineState.READY, f"krunkit runs with API remoting support ({b.version})",
+               "apirctl serve MODEL --transport virtgpu", **common)
+
+
+# --- restart and stop -----------------------------------------------------------------------------
+
+
+def _stop_machine(name: str | None) -> None:
+    proc = _run([_podman(), "machine", "stop", name or DEFAULT_MACHINE], env=_machine_env(plain=True))
+    if proc.returncode != 0:
+        raise ApirctlError(f"podman machine stop failed: {_why(proc)}")
+
+
+def _start_machine(name: str | None, env: dict[str, str]) -> None:
+    proc = _run([_podman(), "machine", "start", "--no-info", name or DEFAULT_MACHINE], env=env)
+    if proc.returncode != 0:
+        raise ApirctlError(f"podman machine start failed: {_why(proc)}")
+
+
+def _require_machine(name: str | None) -> dict[str, Any]:
+    info = inspect(name)
+    if info is None:
+        raise ApirctlError(f"there is no libkrun Podman machine {name or DEFAULT_MACHINE}",
+                           hint=f"create one: {INIT_HINT}" + (f" {name}" if name else ""))
+    for row in machines():
+        other = row.get("Name")
+        if row.get("Running") and str(row.get("VMType", "")).lower() in VFKIT_TYPES:
+            raise ApirctlError(f"machine {other} runs with vfkit; only one machine can run at a time",
+                               hint=f"stop it first: podman machine stop {other}")
+    return info
+
+
+def _verify_mapped(b: Bundle) -> str:
+    """Wait for krunkit, then require that it mapped the bundle's virglrenderer; return that path."""
+    expected = _expected_virgl(b)
+    deadline = time.monotonic() + KRUNKIT_WAIT_S
+    pid, virgl = mapped_virglrenderers()
+    while pid is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+        pid, virgl = mapped_virglrenderers()
+    if pid is None:
+        raise ApirctlError("krunkit is not running after the machine started (lsof -c krunkit found nothing)")
+    for v in virgl:
+        if expected is not None and _same_file(v, expected):
+            return v
+    seen = ", ".join(virgl) or "no libvirglrenderer at all"
+    raise ApirctlError(f"krunkit (pid {pid}) did not load the bundle's virglrenderer {expected}; it mapped {seen}")
+
+
+def run_selftest(b: Bundle) -> dict[str, Any]:
+    """The APIR backend selftest against the bundle's libraries, when that module is available."""
+    try:
+        from apirctl.apir import selftest  # type: ignore[attr-defined, unused-ignore]
+    except ImportError:
+        print("apirctl: notice: the APIR backend selftest is not available; skipped", file=sys.stderr)
+        return {"selftest": "skipped (not available)"}
+    try:
+        report = selftest.run(library=b.backend_path, ggml_library=b.ggml_path, reg=b.ggml_reg)
+    except ApirctlError as exc:
+        raise ApirctlError(f"the backend selftest of bundle {b.version} failed: {exc.message}",
+                           hint="check the bundle with `apirctl backend selftest`, or skip with --no-selftest") from exc
+    ok = getattr(report, "ok", getattr(report, "passed", True))
+    if not ok:
+        raise ApirctlError(f"the backend selftest of bundle {b.version} failed",
+                           hint="see `apirctl backend selftest` for details, or skip with --no-selftest")
+    return {"selftest": "passed"}
+
+
+def restart(options: RestartOptions) -> MachineStatus:
+    if not options.remoting:
+        return _restart_plain(options.name)
+    from apirctl import bundle, krunkit
+
+    _podman()
+    b = bundle.require_active()
+    if b.version_on_disk() is None:
+        raise ApirctlError(f"the version of bundle {b.version} cannot be read", exit_code=20,
+                           hint=f"reinstall it: apirctl uninstall {b.version} && apirctl install --from ...")
+    if b.virglrenderer is None:
+        raise ApirctlError(f"bundle {b.version} has no libvirglrenderer.1.dylib",
+                           hint="install a bundle that ships the API-remoting virglrenderer")
+    info = _require_machine(options.name)
+    was_running = str(info.get("State", "")).lower() == "running"
+    extra: dict[str, Any] = {}
+    if options.selftest:
+        extra.update(run_selftest(b))
+    patched = krunkit.patch(b.bin_dir, options.krunkit)
+    extra["krunkit_patch"] = "updated" if patched.get("changed") else "up to date"
+    _stop_machine(options.name)
+    try:
+        _start_machine(options.name, _machine_env(remoting_env(b)))
+        mapped = _verify_mapped(b)
+    except ApirctlError as exc:
+        _rollback(options.name, was_running)
+        back = "restarted without remoting" if was_running else "left stopped, as it was"
+        raise ApirctlError(f"restart with remoting failed: {exc.message}; the machine was {back}",
+                           hint="see `apirctl machine logs` and `apirctl machine status`") from exc
+    result = status(options.name)
+    result.details.update(extra, virglrenderer=mapped)
+    return result
+
+
+def _rollback(name: str | None, start: bool) -> None:
+    with contextlib.suppress(ApirctlError):
+        _stop_machine(name)
+    if start:
+        try:
+            _start_machine(name, _machine_env(plain=True))
+        except ApirctlError as exc:
+            print(f"apirctl: warning: the machine could not be restarted without remoting either: {exc.message}",
+                  file=sys.stderr)
+
+
+def _restart_plain(name: str | None) -> MachineStatus:
+    _require_machine(name)
+    _stop_machine(name)
+    _start_machine(name, _machine_env(plain=True))
+    return status(name)
+
+
+def stop(name: str | None = None, force: bool = False) -> MachineStatus:
+    info = inspect(name)
+    if info is None:
+        raise ApirctlError(f"there is no libkrun Podman machine {name or DEFAULT_MACHINE}",
+                           hint=f"create one: {INIT_HINT}")
+    if str(info.get("State", "")).lower() == "running":
+        servers = remoting_servers()
+        if servers and not force:
+            names = ", ".join(str((s.get("Names") or [s.get("Id", "?")])[0]) for s in servers)
+            raise ApirctlError(f"API-remoting servers are running on this machine: {names}",
+                               hint="stop them with `apirctl stop`, or pass --force")
+        for s in servers:
+            _run([_podman(), "stop", str(s.get("Id") or s["Names"][0])], env=dict(os.environ))
+    _stop_machine(name)
+    return status(name)
+
+
+def log_files() -> list[Path]:
+    return [dirs().logs / f for f in LOG_FILES.values()]
+
+
+def show_logs(follow: bool = False, tail: int = 50) -> None:
+    """Print the ends of the virglrenderer and APIR backend logs of the last remoting start."""
+    files = [f for f in log_files() if f.exists()]
+    if not files:
+        raise ApirctlError("no remoting logs yet", hint="they appear after `apirctl machine restart --remoting`")
+    offsets: dict[Path, int] = {}
+    for f in files:
+        lines = f.read_text(errors="replace").splitlines()
+        print(f"==> {f} <==")
+        for line in lines[-tail:] if tail > 0 else []:
+            print(line)
+        offsets[f] = f.stat().st_size
+    while follow:
+        time.sleep(0.5)
+        for f in files:
+            size = f.stat().st_size if f.exists() else 0
+            if size > offsets[f]:
+                with f.open(errors="replace") as fh:
+                    fh.seek(offsets[f])
+                    sys.stdout.write(fh.read())
+                    sys.stdout.flush()
+                offsets[f] = size
