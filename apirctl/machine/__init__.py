@@ -62,11 +62,19 @@ class Platform(Protocol):
 
 
 def platform() -> Platform:
-    """The implementation for this host."""
-    if sys.platform == "darwin":
+    """The implementation for this host; `APIRCTL_PLATFORM=macos|linux` overrides it (tests use it
+    to drive the macOS code on Linux against the fakes in tests/fakes)."""
+    import os
+
+    chosen = os.environ.get("APIRCTL_PLATFORM", "").strip().lower()
+    if chosen and chosen not in ("macos", "darwin", "linux"):
+        from apirctl.errors import ApirctlError
+
+        raise ApirctlError(f"APIRCTL_PLATFORM={chosen} is not a platform", hint="use macos or linux")
+    if chosen in ("macos", "darwin") or (not chosen and sys.platform == "darwin"):
         from apirctl.machine import macos
 
-        return macos  # type: ignore[return-value]
+        return macos
     from apirctl.machine import linux
 
     return linux  # type: ignore[return-value]
