@@ -130,7 +130,7 @@ def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], *, label: st
     Returns -1 when the server rejects our range (416): the caller starts over.
     """
     have = fh.tell()
-    headers = dict(remote.headers)
+    headers = {**remote.headers, "Accept-Encoding": "identity"}  # ranges count bytes of the file itself
     if have:
         headers["Range"] = f"bytes={have}-"
     with http.stream("GET", remote.url, headers=headers) as response:
@@ -145,7 +145,7 @@ def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], *, label: st
         total = remote.size or (have + int(length) if length and length.isdigit() else None)
         progress, task = _progress(label, total, have, quiet)
         with progress:
-            for chunk in response.iter_bytes(CHUNK):
+            for chunk in response.iter_raw():  # as bytes arrive: a cut connection keeps what came
                 fh.write(chunk)
                 have += len(chunk)
                 progress.update(task, completed=have)
