@@ -1,0 +1,72 @@
+"""Fixtures for the APIR tests: the pinned upstream sources, the real backend library, and the C++
+conformance harness compiled against the pinned headers (once per session, cached on disk)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def virtgpu_src() -> Path:
+    """`ggml/src/ggml-virtgpu` of the pinned llama.cpp source (fetched on first use)."""
+    from apirctl import llamacpp
+
+    return llamacpp.source_dir() / "ggml" / "src" / "ggml-virtgpu"
+
+
+@pytest.fixture
+def backend_libs(llama_build) -> tuple[Path, Path, str]:  # type: ignore[no-untyped-def]
+    """The real backend library with the host build's CPU GGML library and its registration symbol."""
+    return (llama_build.library("ggml-virtgpu-backend"), llama_build.library("ggml-cpu"), "ggml_backend_cpu_reg")
+
+
+class Harness:
+    """The compiled harness as a co-process: one request line in, one answer line out."""
+
+    def __init__(self, binary: Path) -> None:
+        self.proc = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+
+    def ask(self, line: str) -> str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"harness died on {line[:80]!r} (exit {self.proc.wait()})")
+        return answer.rstrip("\n")
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture
+def harness(virtgpu_src: Path, llama_build, tmp_path_factory: pytest.TempPathFactory  # type: ignore[no-untyped-def]
+            ) -> Iterator[Harness]:
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed to compile the conformance harness")
+    source = HERE / "harness.cpp"
+    ggml = virtgpu_src.parent.parent
+    lib_dir = llama_build.library("ggml-virtgpu-backend").parent
+    key = hashlib.sha256(source.read_bytes() + str(ggml).encode() + str(lib_dir).encode()).hexdigest()[:12]
+    binary = tmp_path_factory.getbasetemp() / f"apir-harness-{key}"
+    if not binary.exists():
+        cmd = ["g++", "-std=c++17", "-O0", "-w", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}",
+               f"-I{virtgpu_src}", f"-I{virtgpu_src / 'backend'}", str(source), "-o", str(binary) + ".tmp",
+               f"-L{lib_dir}", "-lggml-virtgpu-backend", "-lggml-base", f"-Wl,-rpath,{lib_dir}"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        Path(str(binary) + ".tmp").rename(binary)
+    h = Harness(binary)
+    yield h
+    h.close()
