@@ -16,10 +16,19 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _has_signature_command(path: Path) -> bool:
+    """A Mach-O that carries LC_CODE_SIGNATURE but matches no known signature was modified."""
+    from macholib import mach_o
+    from macholib.MachO import MachO
+
+    return any(lc.cmd == mach_o.LC_CODE_SIGNATURE for h in MachO(str(path)).headers for lc, _c, _d in h.commands)
+
+
 def main(argv: list[str]) -> int:
     fakestate.record("codesign", argv)
     state = fakestate.load()
-    sigs = state.setdefault("signatures", {})
+    sigs = state.setdefault("signatures", {})  # content sha256 -> signature (it travels with the file)
+    signed_paths = state.setdefault("signed_paths", [])
     args = list(argv)
     force = sign = verify = display = False
     identity = entitlements = None
@@ -54,7 +63,6 @@ def main(argv: list[str]) -> int:
         return failure[0]
     for raw in paths:
         path = Path(raw)
-        key = str(path.resolve())
         if not path.is_file():
             print(f"{raw}: No such file or directory", file=sys.stderr)
             return 1
@@ -66,7 +74,8 @@ def main(argv: list[str]) -> int:
             if identity != "-":
                 print(f"{identity}: no identity found", file=sys.stderr)
                 return 1
-            if key in sigs and not force:
+            key = _sha(path)
+            if (key in sigs or key in state.get("trusted_sha256", [])) and not force:
                 print(f"{raw}: is already signed", file=sys.stderr)
                 return 1
             ents = None
@@ -78,23 +87,25 @@ def main(argv: list[str]) -> int:
                     print("Failed to parse entitlements: AMFIUnserializeXML: syntax error", file=sys.stderr)
                     return 1
                 ents = text.decode()
-            sigs[key] = {"sha256": _sha(path), "identity": "adhoc", "entitlements": ents}
+            sigs[key] = {"identity": "adhoc", "entitlements": ents}
+            signed_paths.append(str(path.resolve()))
             print(f"{raw}: replacing existing signature", file=sys.stderr)
         elif verify:
-            sig = sigs.get(key)
-            if sig is None:
-                print(f"{raw}: code object is not signed at all", file=sys.stderr)
-                return 1
-            if sig["sha256"] != _sha(path):
+            key = _sha(path)
+            if key in sigs or key in state.get("trusted_sha256", []):
+                continue
+            if str(path.resolve()) in signed_paths or _has_signature_command(path):
                 print(f"{raw}: invalid signature (code or signature have been modified)", file=sys.stderr)
                 print("In architecture: arm64", file=sys.stderr)
-                return 1
+            else:
+                print(f"{raw}: code object is not signed at all", file=sys.stderr)
+            return 1
         elif display:
-            sig = sigs.get(key)
+            sig = sigs.get(_sha(path))
             if sig is None:
                 print(f"{raw}: code object is not signed at all", file=sys.stderr)
                 return 1
-            print(f"Executable={key}", file=sys.stderr)
+            print(f"Executable={path.resolve()}", file=sys.stderr)
             if sig.get("entitlements"):
                 sys.stdout.write(sig["entitlements"])
     fakestate.save(state)

@@ -82,10 +82,9 @@ def _launch(exe: Path) -> tuple[list[str], str | None]:
 def _signature_ok(state: dict[str, Any], path: str) -> bool:
     import hashlib
 
-    sig = state.get("signatures", {}).get(path)
-    if sig is None:
-        return path in state.get("trusted", [])  # as shipped (Homebrew's own signature)
-    return bool(sig["sha256"] == hashlib.sha256(Path(path).read_bytes()).hexdigest())
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    # signed by (fake) codesign, or as shipped (Homebrew's and the release's own signatures)
+    return digest in state.get("signatures", {}) or digest in state.get("trusted_sha256", [])
 
 
 # --- commands -------------------------------------------------------------------------------------
@@ -163,7 +162,12 @@ def machine(state: dict[str, Any], args: list[str]) -> int:
             return _err(f"unable to start \"{name}\": machine {name}: VM already running or starting")
         print(f"Starting machine \"{name}\"")
         helper = HELPER[provider]
-        helper_dir = os.environ.get("CONTAINERS_HELPER_BINARY_DIR")
+        # Failure modes seen on real Macs: a podman that does not honour CONTAINERS_HELPER_BINARY_DIR,
+        # and DYLD_* variables stripped by SIP when a protected program sits between podman and krunkit.
+        helper_dir = None if state.get("ignore_helper_dir") else os.environ.get("CONTAINERS_HELPER_BINARY_DIR")
+        if state.get("strip_dyld"):
+            for var in [v for v in os.environ if v.startswith("DYLD_")]:
+                del os.environ[var]
         exe = Path(helper_dir) / helper if helper_dir and (Path(helper_dir) / helper).is_file() else None
         if exe is None:
             default = state.get("helpers", {}).get(helper)
@@ -176,13 +180,16 @@ def machine(state: dict[str, Any], args: list[str]) -> int:
             mapped, dyld_error = _launch(exe)
             if dyld_error:
                 print(dyld_error, file=sys.stderr)
-                return _err(f"krunkit exited unexpectedly with exit code 6")
+                return _err("krunkit exited unexpectedly with exit code 6")
             for path in mapped:
                 if not _signature_ok(state, path):
                     return _err(f"krunkit exited unexpectedly with exit code 137 (Killed: 9, "
                                 f"code signature invalid for {path})")
-            ents = (state.get("signatures", {}).get(mapped[0]) or {}).get("entitlements") or ""
-            if mapped[0] not in state.get("trusted", []) and "com.apple.security.hypervisor" not in ents:
+            import hashlib
+
+            exe_sha = hashlib.sha256(Path(mapped[0]).read_bytes()).hexdigest()
+            ents = (state.get("signatures", {}).get(exe_sha) or {}).get("entitlements") or ""
+            if exe_sha not in state.get("trusted_sha256", []) and "com.apple.security.hypervisor" not in ents:
                 return _err("krunkit exited unexpectedly with exit code 1 (HV_DENIED: "
                             "missing com.apple.security.hypervisor entitlement)")
             files += [["txt", p] for p in mapped]
