@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from apirctl.errors import ApirctlError
 
 MAGIC = b"GGUF"
+CACHE_VERSION = 2  # bump when ModelInfo or its derivation changes
 
 
 class ModelInfo(BaseModel):
@@ -76,7 +77,7 @@ def _quantization(reader: Any) -> str | None:
     file_type = _field(reader, "general.file_type")
     if isinstance(file_type, int):
         try:
-            return str(gguf.LlamaFileType(file_type).name).removeprefix("MOSTLY_")
+            return str(gguf.LlamaFileType(file_type).name).removeprefix("MOSTLY_").removeprefix("ALL_")
         except ValueError:
             pass
     # No (known) file type: name the type most weight matrices use.
@@ -135,7 +136,7 @@ def _cache_file(path: Path) -> Path:
     from apirctl.paths import dirs
 
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
+    key = hashlib.sha256(f"{CACHE_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:32]
     return dirs().cache / "gguf-info" / f"{key}.json"
 
 

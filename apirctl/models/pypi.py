@@ -29,14 +29,22 @@ def _pip_download(dist: str, version: str, into: Path, *, label: str, quiet: boo
            "--disable-pip-version-check", "--dest", str(into), f"{dist}=={version}"]
     if quiet:
         cmd.append("--quiet")
+    # pip's own progress bar goes to our stderr (stdout stays clean for --json callers).
+    show: int | None = None
+    if not quiet:
+        try:
+            show = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):
+            show = None  # stderr is not a file (captured): relay pip's output afterwards
     try:
-        # pip's own progress bar goes to our stderr (stdout stays clean for --json callers).
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE if show is None else show,
                               stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S, check=False)
     except FileNotFoundError:
         raise ApirctlError(f"{label}: cannot run pip ({sys.executable} -m pip)") from None
     except subprocess.TimeoutExpired:
         raise ApirctlError(f"{label}: pip download took more than {TIMEOUT_S} s") from None
+    if not quiet and show is None and proc.stdout:
+        sys.stderr.write(proc.stdout)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["no output"]
