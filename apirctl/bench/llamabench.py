@@ -81,7 +81,7 @@ class Result:
     raw: dict[str, Any] = field(repr=False)
 
 
-def test_name(n_prompt: int, n_gen: int, n_depth: int = 0) -> str:
+def label_for(n_prompt: int, n_gen: int, n_depth: int = 0) -> str:
     """llama-bench's own test labels: pp512, tg128, pp512+tg128, with `@ dN` for a depth."""
     if n_prompt and n_gen:
         name = f"pp{n_prompt}+tg{n_gen}"
@@ -112,7 +112,7 @@ def parse(stdout: str) -> list[Result]:
             raise ApirctlError("llama-bench's JSON output has an entry without avg_ts")
         n_prompt, n_gen = int(item.get("n_prompt", 0)), int(item.get("n_gen", 0))
         results.append(Result(
-            test=test_name(n_prompt, n_gen, int(item.get("n_depth", 0) or 0)),
+            test=label_for(n_prompt, n_gen, int(item.get("n_depth", 0) or 0)),
             tps_mean=float(item["avg_ts"]),
             tps_std=float(item.get("stddev_ts", 0.0)),
             samples_ts=[float(x) for x in item.get("samples_ts", [])],

@@ -281,13 +281,11 @@ def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = Non
 
 def running_server_url() -> str:
     """The API address of the running apirctl inference server (the newest, if several)."""
-    try:
-        from apirctl import serve  # type: ignore[attr-defined,unused-ignore]
+    from apirctl import serve
 
-        servers = [s for s in serve.list_servers() if getattr(s, "running", True)]
-    except (ImportError, AttributeError):
-        servers = []
+    servers = [s for s in serve.list_servers(probe_health=False) if s.state == "running"]
     if not servers:
         raise ApirctlError("no running apirctl server to benchmark",
                            hint="start one with `apirctl serve MODEL`, or pass --url URL")
-    return str(servers[-1].url)
+    servers.sort(key=lambda s: s.created.timestamp() if s.created else 0.0)
+    return servers[-1].url

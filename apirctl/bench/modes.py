@@ -45,6 +45,7 @@ class Context:
 
     model_path: Path
     params: Params
+    filename: str = ""
     on_event: EventFn | None = None
     facts: dict[str, Any] = field(default_factory=dict)
 
@@ -72,26 +73,22 @@ def parse_modes(text: str | Sequence[str]) -> list[str]:
     return modes
 
 
-def model_file(ref: str) -> tuple[str, Path]:
-    """The model reference resolved to a local GGUF file (fetched by the model store if needed)."""
-    path = Path(ref).expanduser()
-    if path.is_file():
-        return path.name, path.resolve()
-    try:
-        from apirctl import models
+@dataclass(frozen=True)
+class ModelFile:
+    """The model to bench: a display label, the local GGUF, and its original file name."""
 
-        resolve = getattr(models, "resolve", None)
-    except ImportError:
-        resolve = None
-    if resolve is None or looks_like_path(ref):
-        raise ApirctlError(f"model {ref!r} not found: no such file",
-                           hint="give a GGUF path or a model reference (`apirctl models list`)")
-    found = resolve(ref)
-    return ref, Path(getattr(found, "path", found))
+    label: str
+    path: Path
+    filename: str
 
 
-def looks_like_path(ref: str) -> bool:
-    return ref.startswith(("/", "./", "../", "~")) or ref.endswith(".gguf")
+def model_file(ref: str) -> ModelFile:
+    """Resolve a model reference through the model store (which fetches what is missing)."""
+    from apirctl import models
+
+    found = models.resolve(ref, pull=True, quiet=True)
+    label = Path(found.filename).name if found.source == "file" else found.name
+    return ModelFile(label=label, path=found.path, filename=found.filename)
 
 
 # --- the modes ------------------------------------------------------------------------------------
@@ -137,7 +134,7 @@ def _run_in_container(ctx: Context, mode: str, extra_args: Sequence[str], plan: 
     from apirctl.bench.llamabench import ProgressReader, parse_mixed
 
     tag = plan.image if plan is not None and plan.image else _image(ctx)
-    target = f"/models/{ctx.model_path.name}"
+    target = f"/models/{ctx.filename or ctx.model_path.name}"
     spec = engine.ContainerSpec(
         image=tag,
         entrypoint=["/app/bin/llama-bench"],
@@ -173,7 +170,10 @@ def run_remoting(ctx: Context) -> ModeOutcome:
     except ApirctlError as exc:
         raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
     if not plan.remoting:
-        raise Skipped(plan.notice or "no remoting backend is running (`apirctl machine restart --remoting`)")
+        status = transport.machine_status()
+        why = status.summary if status else "no remoting backend on this host"
+        step = (status.next_step if status else None) or "start one with `apirctl machine restart --remoting`"
+        raise Skipped(f"remoting is not ready: {why} ({step})")
     ctx.facts["transport"] = plan.transport
     results = _run_in_container(ctx, "remoting", [], plan)
     return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport))
@@ -224,14 +224,14 @@ class Outcome:
 
 
 def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
-        on_event: EventFn | None = None) -> Outcome:
+        on_event: EventFn | None = None, filename: str | None = None) -> Outcome:
     """Run the modes in order; a skipped mode does not stop the others, nor does a failed one."""
     from apirctl.bench import system
 
     params.validate()
     if not model_path.is_file():
         raise ApirctlError(f"model file {model_path} does not exist")
-    ctx = Context(model_path=model_path, params=params, on_event=on_event)
+    ctx = Context(model_path=model_path, params=params, on_event=on_event, filename=filename or model_path.name)
     outcomes: list[ModeOutcome] = []
     for mode in modes:
         if on_event:

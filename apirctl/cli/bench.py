@@ -8,26 +8,24 @@ from typing import Any
 import typer
 from typer.core import TyperGroup
 
-HELP = """Benchmark llama.cpp: native, remoting and container without remoting, side by side.
-
-[bold]apirctl bench MODEL[/] runs llama-bench (prompt processing `pp`, generation `tg`) in each mode on the same model file and shows tokens/s with the ratio to native:
-
-- [bold]native[/]: the host's llama-bench on the host's GPU backend (the reference);
-- [bold]remoting[/]: llama-bench in the container, its GPU work done on the host through the active transport (rpc on Linux, virtgpu on macOS); start it with `apirctl machine restart --remoting`;
-- [bold]container[/]: llama-bench in the container without remoting (CPU).
-
-A mode that cannot run here is shown as skipped with the reason. Results are saved: see `apirctl bench history` and `apirctl bench compare ID ID`.
-
-[bold]apirctl bench --url URL[/] (or `--serving` for the running apirctl server) drives an OpenAI-compatible endpoint with streamed requests at each `--concurrency` level and reports time to first token, inter-token latency, tokens/s and errors.
-
-Examples:
-
-`apirctl bench smollm2 --modes native,container --reps 2`
-
-`apirctl bench smollm2 --format json --plot bench.png`
-
-`apirctl bench --url http://127.0.0.1:1234 --concurrency 1,4,8 --requests 16`
-"""
+HELP = (
+    "Benchmark llama.cpp: native, remoting and container without remoting, side by side.\n\n"
+    "[bold]apirctl bench MODEL[/] runs llama-bench (prompt processing `pp`, generation `tg`) in each mode "
+    "on the same model file and shows tokens/s with the ratio to native:\n\n"
+    "- [bold]native[/]: the host's llama-bench on the host's GPU backend (the reference);\n"
+    "- [bold]remoting[/]: llama-bench in the container, its GPU work done on the host through the active "
+    "transport (rpc on Linux, virtgpu on macOS); start it with `apirctl machine restart --remoting`;\n"
+    "- [bold]container[/]: llama-bench in the container without remoting (CPU).\n\n"
+    "A mode that cannot run here is shown as skipped with the reason. Results are saved: see "
+    "`apirctl bench history` and `apirctl bench compare ID ID`.\n\n"
+    "[bold]apirctl bench --url URL[/] (or `--serving` for the running apirctl server) drives an "
+    "OpenAI-compatible endpoint with streamed requests at each `--concurrency` level and reports time to "
+    "first token, inter-token latency, tokens/s and errors.\n\n"
+    "Examples:\n\n"
+    "`apirctl bench smollm2 --modes native,container --reps 2`\n\n"
+    "`apirctl bench smollm2 --format json --plot bench.png`\n\n"
+    "`apirctl bench --url http://127.0.0.1:1234 --concurrency 1,4,8 --requests 16`"
+)
 
 
 class _BenchGroup(TyperGroup):
@@ -105,7 +103,7 @@ def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl
     params = Params(pp=pp, tg=tg, reps=reps, ngl=settings.ngl, threads=settings.threads)
     params.validate()
     ref = model or settings.default_model
-    label, path = bench_modes.model_file(ref)
+    model_file = bench_modes.model_file(ref)
     with _progress() as progress:
         per_mode = max(len(params.tests()) * params.reps, 1)
         task = progress.add_task("starting", total=per_mode * len(chosen))
@@ -120,7 +118,8 @@ def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl
             what = "warmup" if rep == 0 else f"rep {rep}/{total}"
             progress.update(task, completed=done, description=f"{mode} · {test} · {what}")
 
-        outcome = bench_modes.run(label, path, chosen, params, on_event=on_event)
+        outcome = bench_modes.run(model_file.label, model_file.path, chosen, params, on_event=on_event,
+                                  filename=model_file.filename)
     run = outcome.run
     measured = any(r.tps_mean is not None for r in run.rows)
     if not measured and not outcome.failures:
