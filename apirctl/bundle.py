@@ -361,12 +361,10 @@ def _stage(tree: Path, staging: Path, source: str, version: str | None,
 
 
 def in_use(bundle: Bundle) -> bool:
-    """Whether the running machine's krunkit loaded this bundle (macOS; never on other hosts)."""
-    from apirctl import machine
+    """Whether a running krunkit mapped this bundle's virglrenderer (only ever true on macOS)."""
+    from apirctl.machine import macos
 
-    impl = machine.platform()
-    check = getattr(impl, "bundle_in_use", None)
-    return bool(check(bundle)) if check is not None else False
+    return macos.bundle_in_use(bundle)
 
 
 def uninstall(version: str | None = None) -> Bundle:
