@@ -69,13 +69,14 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
         req, payload = frame
         op = req["op"]
         try:
-            if op == "init":
-                host = Host(Path(req["library"]), Path(req["ggml_library"]) if req.get("ggml_library") else None,
-                            req.get("reg"))
-                write_frame(out, {"code": host.initialize()})
+            if op in ("load", "init"):
+                if host is None:
+                    host = Host(Path(req["library"]),
+                                Path(req["ggml_library"]) if req.get("ggml_library") else None, req.get("reg"))
+                write_frame(out, {"code": host.initialize()} if op == "init" else {})
                 continue
             if host is None:
-                raise RuntimeError("init first")
+                raise RuntimeError("load the library first")
             if op == "dispatch":
                 ret, reply, times = host.dispatch(int(req["cmd"]), payload, int(req.get("repeat", 1)))
                 write_frame(out, {"ret": ret, "times_ns": times}, reply)

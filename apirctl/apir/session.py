@@ -50,6 +50,7 @@ class BackendProcess:
         self._stderr = tempfile.TemporaryFile()
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.setdefault("GGML_NO_BACKTRACE", "1")  # ggml's abort would otherwise attach gdb: slow, noisy
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "apirctl.apir.child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env=env)
@@ -87,11 +88,19 @@ class BackendProcess:
 
     # ---- operations ----
 
+    def load(self, library: Path, ggml_library: Path | None, reg: str | None) -> None:
+        """Load the library (dlopen) without initializing it."""
+        self._call("dlopen", self._libs("load", library, ggml_library, reg))
+
     def initialize(self, library: Path, ggml_library: Path | None, reg: str | None) -> int:
-        head, _ = self._call("apir_backend_initialize", {
-            "op": "init", "library": str(library), "ggml_library": str(ggml_library) if ggml_library else None,
-            "reg": reg})
+        """Load the library if needed and call apir_backend_initialize: its return code."""
+        head, _ = self._call("apir_backend_initialize", self._libs("init", library, ggml_library, reg))
         return int(head["code"])
+
+    @staticmethod
+    def _libs(op: str, library: Path, ggml_library: Path | None, reg: str | None) -> dict[str, Any]:
+        return {"op": op, "library": str(library), "ggml_library": str(ggml_library) if ggml_library else None,
+                "reg": reg}
 
     def deinit(self) -> None:
         self._call("apir_backend_deinit", {"op": "deinit"})

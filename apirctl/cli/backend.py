@@ -78,3 +78,44 @@ def _print(report: object, out: object) -> None:
         if report.stderr_tail:
             out.print(f"[dim]{escape(report.stderr_tail)}[/]")
     out.print("[green]selftest passed[/]" if report.ok else "[red]selftest failed[/]")
+
+
+@app.command()
+def probe(
+    library: Path | None = typer.Option(None, "--library", help="The backend library (default: the host build's)."),
+    ggml_library: Path | None = typer.Option(None, "--ggml-library", help="The GGML library it wraps."),
+    reg: str | None = typer.Option(None, "--reg", help="Its registration symbol."),
+    only: list[str] = typer.Option([], "--only", help="Run only this probe (repeatable)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+) -> None:
+    """Send malformed commands to the backend library and record which it rejects and which crash it.
+
+    Each probe runs in its own child process, so crashes are results, not failures: the command exits 0
+    when every outcome matches what the pinned upstream version does (see docs/apir.md), 1 otherwise.
+    """
+    from apirctl.apir import probes
+    from apirctl.apir import selftest as st
+    from apirctl.cli.output import console, err_console, print_json
+    from apirctl.errors import ApirctlError
+
+    known = {p.name for p in probes.PROBES}
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        raise ApirctlError(f"unknown probe {', '.join(unknown)}", hint="known: " + ", ".join(sorted(known)))
+    lib, ggml, symbol = st.resolve(library, ggml_library, reg)
+    if json_out:
+        results = probes.run_all(lib, ggml, symbol, only or None)
+        print_json([r.model_dump() for r in results])
+    else:
+        from rich.markup import escape
+        from rich.table import Table
+
+        with err_console().status("probing") as status:
+            results = probes.run_all(lib, ggml, symbol, only or None, progress=lambda n: status.update(n))
+        t = Table("probe", "outcome", "upstream", "detail")
+        for r in results:
+            colour = {"crashed": "red", "rejected": "green", "accepted": "yellow"}.get(r.outcome, "white")
+            t.add_row(r.name, f"[{colour}]{r.outcome}[/]", r.expected, escape(r.detail))
+        console().print(t)
+    if not all(r.as_expected for r in results):
+        raise typer.Exit(1)
