@@ -165,7 +165,7 @@ class ProgressReader:
                 test = f"pp{self.params.pp}" if m.group(1) == "prompt" else f"tg{self.params.tg}"
                 self.on_progress(test, 0, self.params.reps)
             return
-        if line.strip():
+        if line.strip() and not line.startswith("llama-bench: benchmark"):
             self.tail.append(line)
 
     def tail_text(self, lines: int = 5) -> str:

@@ -201,7 +201,7 @@ def rows_from(outcomes: list[ModeOutcome], params: Params) -> list[Row]:
     rows: list[Row] = []
     for outcome in outcomes:
         if not outcome.results:
-            reason = outcome.skipped or outcome.failed or "no results"
+            reason = outcome.skipped or (f"failed: {outcome.failed}" if outcome.failed else "no results")
             rows += [Row(mode=outcome.mode, backend=outcome.backend, test=test, skipped_reason=reason)
                      for test in params.tests()]
             continue

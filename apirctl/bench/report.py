@@ -101,7 +101,8 @@ def bars(rows: list[Row], width: int = 24) -> list[str]:
         lines.append(test)
         for r in group:
             if r.tps_mean is None:
-                lines.append(f"  {r.mode:<{mode_width}} {'skipped':<{width}}")
+                what = "failed" if (r.skipped_reason or "").startswith("failed") else "skipped"
+                lines.append(f"  {r.mode:<{mode_width}} {what:<{width}}")
                 continue
             ratio = f" {r.ratio_to_native:.2f}x" if r.ratio_to_native is not None else ""
             lines.append(f"  {r.mode:<{mode_width}} {_bar(r.tps_mean, top, width):<{width}} "
@@ -123,7 +124,9 @@ def table(run: Run) -> RenderableType:
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in run.rows:
         if r.tps_mean is None:
-            t.add_row(r.mode, r.backend or "", r.test, Text("skipped", style="yellow"), "", "")
+            failed = (r.skipped_reason or "").startswith("failed")
+            t.add_row(r.mode, r.backend or "", r.test,
+                      Text("failed", style="red") if failed else Text("skipped", style="yellow"), "", "")
             continue
         ratio = f"{r.ratio_to_native:.2f}x" if r.ratio_to_native is not None else ""
         t.add_row(r.mode, r.backend or "", r.test, f"{r.tps_mean:.2f}", _fmt(r.tps_std), ratio)
@@ -132,9 +135,10 @@ def table(run: Run) -> RenderableType:
 
 
 def skipped_notes(run: Run) -> list[str]:
+    """One line per mode that did not run (failures are reported as the error instead)."""
     seen: dict[str, str] = {}
     for r in run.rows:
-        if r.skipped_reason and r.mode not in seen:
+        if r.skipped_reason and r.mode not in seen and not r.skipped_reason.startswith("failed"):
             seen[r.mode] = r.skipped_reason
     return [f"{mode}: {reason}" for mode, reason in seen.items()]
 
@@ -219,7 +223,7 @@ def plot(run: Run, path: Path) -> Path:
                        color=[colours.get(n, "#8172b2") for n in names])
         top = max(values) if any(values) else 1.0
         for bar, r in zip(bars_, group, strict=True):
-            label = "skipped" if r.tps_mean is None else (
+            label = "n/a" if r.tps_mean is None else (
                 f"{r.ratio_to_native:.0%}" if r.ratio_to_native is not None else f"{r.tps_mean:.1f}")
             ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + top * 0.03, label,
                     ha="center", va="bottom", fontsize=9)

@@ -128,7 +128,8 @@ def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl
         results.save(run)
     if measured and plot is not None:
         report.plot(run, plot)
-    _print_run(run, output, saved=measured and save, plot=plot if measured else None)
+    if measured:
+        _print_run(run, output, saved=save, plot=plot)
     if outcome.failures:
         raise ApirctlError("; ".join(outcome.failures))
 

@@ -96,7 +96,7 @@ def test_parse_modes() -> None:
 
 
 def test_missing_model_file_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ApirctlError, match="not found"):
+    with pytest.raises(ApirctlError, match="absent.gguf"):
         modes.model_file(str(tmp_path / "absent.gguf"))
 
 
