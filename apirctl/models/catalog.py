@@ -128,10 +128,9 @@ def resolve(ref: str, *, pull: bool = True, quiet: bool = False) -> ResolvedMode
     target, alias = aliases.expand(text)
     name = alias or text
     store = Store()
-    if alias is None:
-        found = discovery.find(text)
-        if found:
-            return _from_discovered(found, name)
+    found = discovery.find(target)
+    if found:
+        return _from_discovered(found, name)
     parsed = parse(target)
     if parsed.scheme == "file":
         return _local_file(parsed, name)
@@ -184,7 +183,7 @@ def remove(ref: str) -> tuple[str, bool]:
     """
     text = ref.strip()
     target, alias = aliases.expand(text)
-    found = discovery.find(text) if alias is None else None
+    found = discovery.find(target)
     parsed = None if found else parse(target)
     if parsed and parsed.scheme == "file":
         raise ApirctlError(f"model {text} is a local file apirctl does not own; delete it yourself")

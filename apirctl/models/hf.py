@@ -105,6 +105,14 @@ def remote(http: httpx.Client, repo: str, filename: str, revision: str, label: s
     url = f"{endpoint()}/{repo}/resolve/{_quote(revision)}/{_quote(filename)}"
     try:
         head = http.head(url, headers=_headers(), follow_redirects=False)
+        # A renamed repository answers with a relative redirect to its new name: follow those
+        # (same host) until the answer carries the file's metadata or points at the CDN.
+        for _ in range(5):
+            location = head.headers.get("Location", "")
+            if not head.is_redirect or "X-Linked-Etag" in head.headers or "://" in location:
+                break
+            url = str(head.url.join(location))
+            head = http.head(url, headers=_headers(), follow_redirects=False)
     except httpx.HTTPError as exc:
         raise network_error(label, exc) from None
     if head.status_code >= 400:

@@ -64,6 +64,7 @@ class Registry:
     hf_plain: dict[tuple[str, str, str], bytes] = field(default_factory=dict)  # non-LFS files
     ollama: dict[tuple[str, str, str], str] = field(default_factory=dict)  # (ns, name, tag) -> sha
     files: dict[str, bytes] = field(default_factory=dict)  # plain URLs: /files/<name>
+    renamed: dict[str, str] = field(default_factory=dict)  # old repo -> new repo (relative 307)
     cut_after: dict[str, int] = field(default_factory=dict)  # sha -> bytes sent before the cut (once)
     corrupt: set[str] = field(default_factory=set)
     ignore_range: bool = False
@@ -132,6 +133,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(200, entries)
         if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
             repo, rev, file = m.groups()
+            if repo in reg.renamed:
+                return self._send(307, b"", {"Location": f"/{reg.renamed[repo]}/resolve/{rev}/{file}"})
             digest = reg.hf.get((repo, rev, file))
             if digest is None:
                 return self._send(404, b"Entry not found", {"X-Error-Code": "EntryNotFound"})

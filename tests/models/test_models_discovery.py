@@ -19,6 +19,7 @@ from registry_server import store_files
 
 from apirctl import models
 from apirctl.errors import ApirctlError
+from apirctl.paths import dirs
 
 
 def ailab_model(tmp_path: Path, model_id: str, data: bytes, filename: str = "model.Q4_K_M.gguf") -> Path:
@@ -67,6 +68,16 @@ def test_ailab_models_are_listed_and_usable(tmp_path: Path, gguf_factory: Callab
         model = models.resolve(name)
         assert (model.path, model.source) == (path, "ailab")
     assert store_files() == []  # found, not copied
+
+
+def test_alias_may_name_a_discovered_model(tmp_path: Path, gguf_factory: Callable[..., bytes],
+                                           offline: None) -> None:
+    path = ailab_model(tmp_path, "hf.org.team", gguf_factory("team"))
+    config = dirs().config_file
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text('[model_aliases]\nteam = "ailab://hf.org.team"\n')
+    model = models.resolve("team")
+    assert (model.name, model.path, model.source) == ("team", path, "ailab")
 
 
 def test_ramalama_model_answers_to_its_ollama_name(gguf_factory: Callable[..., bytes], offline: None) -> None:

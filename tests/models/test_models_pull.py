@@ -43,6 +43,15 @@ def test_resolve_without_pull_refuses_to_download(registry: Registry, gguf_facto
     assert registry.requests == []
 
 
+def test_hf_renamed_repository_redirect_keeps_the_digest(registry: Registry,
+                                                         gguf_factory: Callable[..., bytes]) -> None:
+    digest = registry.add_hf("new-org/repo", "m.gguf", gguf_factory("renamed"))
+    registry.renamed["old-org/repo"] = "new-org/repo"
+    model = models.resolve("hf://old-org/repo/m.gguf", quiet=True)
+    assert model.digest == f"sha256:{digest}"
+    assert model.name == "hf://old-org/repo/m.gguf"
+
+
 def test_hf_quant_tag_picks_the_matching_file(registry: Registry, gguf_factory: Callable[..., bytes]) -> None:
     q4 = registry.add_hf("org/repo-GGUF", "repo-Q4_K_M.gguf", gguf_factory("q4"))
     q8 = registry.add_hf("org/repo-GGUF", "repo-Q8_0.gguf", gguf_factory("q8"))
