@@ -78,10 +78,19 @@ def check(
 
 
 @app.command("table")
-def show_table(json_out: bool = typer.Option(False, "--json", help="Print the table as JSON.")) -> None:
+def show_table(
+    json_out: bool = typer.Option(False, "--json", help="Print the table as JSON."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the function reference of docs/apir.md."),
+) -> None:
     """List the forwarded functions: command index, request fields and reply fields."""
     from apirctl.apir import table
     from apirctl.cli.output import console, print_json
+
+    if markdown:
+        from apirctl.apir import reference
+
+        print(reference.markdown())
+        return
 
     rows = [{"index": f.index, "name": f.qualname, "deprecated": f.deprecated,
              "request": [f"{x.name}:{x.kind.value}" for x in f.request],
