@@ -258,15 +258,15 @@ def _start_machine(name: str | None, env: dict[str, str]) -> None:
 
 
 def _require_machine(name: str | None) -> dict[str, Any]:
-    info = inspect(name)
-    if info is None:
-        raise ApirctlError(f"there is no libkrun Podman machine {name or DEFAULT_MACHINE}",
-                           hint=f"create one: {INIT_HINT}" + (f" {name}" if name else ""))
     for row in machines():
         other = row.get("Name")
         if row.get("Running") and str(row.get("VMType", "")).lower() in VFKIT_TYPES:
             raise ApirctlError(f"machine {other} runs with vfkit; only one machine can run at a time",
                                hint=f"stop it first: podman machine stop {other}")
+    info = inspect(name)
+    if info is None:
+        raise ApirctlError(f"there is no libkrun Podman machine {name or DEFAULT_MACHINE}",
+                           hint=f"create one: {INIT_HINT}" + (f" {name}" if name else ""))
     return info
 
 
@@ -295,8 +295,14 @@ def run_selftest(b: Bundle) -> dict[str, Any]:
     except ImportError:  # pragma: no cover - the selftest module ships with apirctl
         print("apirctl: notice: the APIR backend selftest is not available; skipped", file=sys.stderr)
         return {"selftest": "skipped (not available)"}
-    report = selftest.run(library=b.backend_path, ggml_library=b.ggml_path, reg=b.ggml_reg, cheap_calls=50,
-                          graph_calls=5)
+    try:
+        report = selftest.run(library=b.backend_path, ggml_library=b.ggml_path, reg=b.ggml_reg,
+                              cheap_calls=50, graph_calls=5)
+    except ApirctlError:
+        raise
+    except Exception as exc:  # the selftest driver reports a library that cannot even load this way
+        raise ApirctlError(f"the backend selftest of bundle {b.version} failed ({exc})",
+                           hint="run `apirctl backend selftest` for details, or skip with --no-selftest") from exc
     if not report.ok:
         failed = [c for c in report.checks if not c.ok]
         why = f"{failed[0].name}: {failed[0].detail}" if failed else (report.init_status or "no detail")
