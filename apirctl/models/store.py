@@ -115,10 +115,20 @@ class Store:
         if not self.has_blob(ref.hexdigest):
             raise ApirctlError(f"{ref.name}: internal error: blob {ref.digest} missing")
         self.refs_dir.mkdir(parents=True, exist_ok=True)
+        previous = self.get(ref.name)
         path = self._ref_path(ref.name)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(ref.model_dump_json(indent=2))
         os.replace(tmp, path)
+        if previous and previous.digest != ref.digest:
+            self._drop_unused(previous)
+
+    def _drop_unused(self, ref: StoredRef) -> bool:
+        """Delete a blob no name uses any more (a re-pointed or removed name's old file)."""
+        if any(other.digest == ref.digest for other in self.refs()):
+            return False
+        self.blob_path(ref.hexdigest).unlink(missing_ok=True)
+        return True
 
     def remove(self, name: str) -> tuple[StoredRef, bool] | None:
         """Drop a name; drop its blob when no other name uses it. Returns (ref, blob removed)."""
@@ -126,7 +136,4 @@ class Store:
         if ref is None:
             return None
         self._ref_path(name).unlink()
-        still_used = any(other.digest == ref.digest for other in self.refs())
-        if not still_used:
-            self.blob_path(ref.hexdigest).unlink(missing_ok=True)
-        return ref, not still_used
+        return ref, self._drop_unused(ref)
