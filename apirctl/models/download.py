@@ -124,23 +124,39 @@ def _reset(fh: IO[bytes]) -> None:
     fh.truncate(0)
 
 
-def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], *, label: str, quiet: bool) -> int:
+def validator_path(partial: Path) -> Path:
+    """Beside a partial file: the ETag or Last-Modified of the version its bytes came from."""
+    return partial.with_suffix(".validator")
+
+
+def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], validator: Path, *, label: str,
+                 quiet: bool) -> int:
     """Append the rest of the file to `fh` (positioned at its end); return the bytes now held.
 
+    A resume carries `If-Range`, so a server whose file changed since sends all of the new one.
     Returns -1 when the server rejects our range (416): the caller starts over.
     """
     have = fh.tell()
     headers = {**remote.headers, "Accept-Encoding": "identity"}  # ranges count bytes of the file itself
     if have:
         headers["Range"] = f"bytes={have}-"
+        if validator.is_file():
+            headers["If-Range"] = validator.read_text().strip()
     with http.stream("GET", remote.url, headers=headers) as response:
         if response.status_code == 416 and have:
             return -1
         if response.status_code >= 400:
             raise http_error(label, response)
         if response.status_code != 206 and have:
-            _reset(fh)  # the server ignored the range and sends the whole file
+            _reset(fh)  # the server ignored the range, or the file changed: it sends the whole file
             have = 0
+        if response.status_code == 200:
+            etag = response.headers.get("ETag", "")
+            stamp = etag if etag and not etag.startswith("W/") else response.headers.get("Last-Modified", "")
+            if stamp:
+                validator.write_text(stamp)
+            else:
+                validator.unlink(missing_ok=True)
         length = response.headers.get("Content-Length")
         total = remote.size or (have + int(length) if length and length.isdigit() else None)
         progress, task = _progress(label, total, have, quiet)
@@ -153,11 +169,17 @@ def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], *, label: st
     return have
 
 
+def discard(partial: Path) -> None:
+    """Remove a partial download and its validator."""
+    partial.unlink(missing_ok=True)
+    validator_path(partial).unlink(missing_ok=True)
+
+
 def _drop_if_empty(path: Path) -> None:
     """A failed first attempt leaves nothing behind; a partial file with bytes stays to resume."""
     try:
         if path.stat().st_size == 0:
-            path.unlink()
+            discard(path)
     except OSError:
         pass
 
@@ -170,28 +192,30 @@ def fetch(http: httpx.Client, remote: Remote, partial: Path, *, label: str, quie
     """
     import httpx
 
+    validator = validator_path(partial)
     with locked(partial, label) as fh:
         try:
             if remote.size is not None and fh.tell() > remote.size:
                 _reset(fh)
             have = fh.tell()
             if remote.size is None or have < remote.size:
-                have = _stream_into(http, remote, fh, label=label, quiet=quiet)
+                have = _stream_into(http, remote, fh, validator, label=label, quiet=quiet)
                 if have < 0:  # our partial file does not fit the server's file: start over
                     _reset(fh)
-                    have = _stream_into(http, remote, fh, label=label, quiet=quiet)
+                    have = _stream_into(http, remote, fh, validator, label=label, quiet=quiet)
         except httpx.HTTPError as exc:
             fh.flush()
             _drop_if_empty(partial)
             raise network_error(label, exc) from None
         except OSError as exc:
-            partial.unlink(missing_ok=True)
+            discard(partial)
             raise disk_error(label, exc, partial) from None
         except BaseException:
             _drop_if_empty(partial)
             raise
         if remote.size is not None and have < remote.size:
             raise network_error(label, ConnectionError(f"got {have} of {remote.size} bytes"))
+    validator.unlink(missing_ok=True)  # complete: nothing left to resume
     hexdigest = _hash_existing(partial).hexdigest()
     if remote.sha256 and hexdigest != remote.sha256:
         partial.unlink(missing_ok=True)

@@ -184,9 +184,13 @@ class Handler(BaseHTTPRequestHandler):
         return self._send(404, b"no such endpoint")
 
     def _serve(self, data: bytes, key: str) -> None:
-        """A CDN: ranges (206 + Content-Range), 416 past the end, and an optional cut connection."""
+        """A CDN: ETag, ranges (206 + Content-Range), If-Range, 416 past the end, an optional cut."""
         start = 0
+        etag = f'"{sha(data)[:20]}"'
         ranged = self.headers.get("Range")
+        if_range = self.headers.get("If-Range")
+        if if_range is not None and if_range != etag:
+            ranged = None  # the file changed since the client's first bytes: send all of it
         if ranged and not self.registry.ignore_range:
             m = re.fullmatch(r"bytes=(\d+)-", ranged)
             if not m:
@@ -200,6 +204,7 @@ class Handler(BaseHTTPRequestHandler):
         if start:
             self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
         self.send_header("Accept-Ranges", "bytes")
+        self.send_header("ETag", etag)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if self.command == "HEAD":

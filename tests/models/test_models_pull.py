@@ -152,6 +152,20 @@ def test_resume_when_the_server_ignores_ranges(registry: Registry, gguf_factory:
     assert model.path.read_bytes() == data  # started over instead of appending a second copy
 
 
+def test_resume_of_a_changed_url_starts_over(registry: Registry, gguf_factory: Callable[..., bytes]) -> None:
+    old, new = gguf_factory("v1", payload_kb=512), gguf_factory("v2", payload_kb=512)
+    url = registry.add_file("moving.gguf", old)
+    registry.cut_after["moving.gguf"] = 150_000
+    with pytest.raises(ApirctlError, match="network failure"):
+        models.resolve(url, quiet=True)
+    registry.files["moving.gguf"] = new  # the file changed on the server before the resume
+    model = models.resolve(url, quiet=True)
+    assert model.path.read_bytes() == new  # not the first 150 kB of v1 spliced onto v2
+    resume = registry.gets("/files/moving.gguf")[-1][1]
+    assert resume["range"] == "bytes=150000-" and resume["if-range"].startswith('"')
+    assert not any(f.startswith("partial/") for f in store_files())
+
+
 def test_progress_bar_shows_when_not_quiet(registry: Registry, gguf_factory: Callable[..., bytes],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     registry.add_hf("org/repo", "p.gguf", gguf_factory("progress"))
