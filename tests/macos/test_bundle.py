@@ -15,10 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import IMAGE, VERSION, FakeMac, make_release, make_tarball
 
 from apirctl import bundle
 from apirctl.errors import ApirctlError
+
+from .conftest import IMAGE, VERSION, FakeMac, make_release, make_tarball
 
 NAMES = ("liblzma.5.dylib", "libjpeg.62.4.0.dylib", "libz.1.3.1.zlib-ng.dylib")
 

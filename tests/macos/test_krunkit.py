@@ -10,10 +10,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import CHAIN, FakeMac, Homebrew, references, set_reference
 
 from apirctl import krunkit
 from apirctl.errors import ApirctlError
+
+from .conftest import CHAIN, FakeMac, Homebrew, references, set_reference
 
 pytestmark = pytest.mark.integration  # the wheel comes from the package index (cached after once)
 

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FakeMac, Homebrew, make_release
 
 from apirctl import bundle
 from apirctl.errors import ApirctlError
 from apirctl.machine import MachineState, RestartOptions, macos
+
+from .conftest import FakeMac, Homebrew, make_release
 
 pytestmark = pytest.mark.integration  # the Mach-O files come from the package index (cached after once)
 
