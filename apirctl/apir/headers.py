@@ -171,11 +171,13 @@ def compare(ours: str, theirs: str) -> list[str]:
     """Differences in meaning between two versions of one header (empty when they agree)."""
     a, b = parse(ours), parse(theirs)
     diffs: list[str] = []
-    for what, x, y in (("enum", a.enum, b.enum), ("command name", a.command_names, b.command_names),
-                       ("prototype", a.prototypes, b.prototypes)):
+    pairs: tuple[tuple[str, dict[str, object], dict[str, object]], ...] = (
+        ("enum", dict(a.enum), dict(b.enum)), ("command name", dict(a.command_names), dict(b.command_names)),
+        ("prototype", dict(a.prototypes), dict(b.prototypes)))
+    for what, x, y in pairs:
         for key in sorted(set(x) | set(y)):
-            if x.get(key) != y.get(key):  # type: ignore[attr-defined]
-                diffs.append(f"{what} {key}: ours {x.get(key)!r}, upstream {y.get(key)!r}")  # type: ignore[attr-defined]
+            if x.get(key) != y.get(key):
+                diffs.append(f"{what} {key}: ours {x.get(key)!r}, upstream {y.get(key)!r}")
     if a.dispatch_table != b.dispatch_table:
         diffs.append(f"dispatch table: ours {a.dispatch_table}, upstream {b.dispatch_table}")
     return diffs

@@ -125,6 +125,14 @@ def p_supports_op_empty(ctx: Ctx) -> None:
     _send(ctx, "device_supports_op", b"")
 
 
+def p_supports_op_source_pointer(ctx: Ctx) -> None:
+    # What a real guest sends: the sources' `buffer` fields hold guest pointers, which the host
+    # does not translate (only the top tensor's buffer handle is checked).
+    a = tensor.Tensor((4, 4), name="a", buffer=0xDEADBEEF000)
+    op = tensor.Tensor((4, 4), op=tensor.OP_ADD, src=[a, a], name="sum")
+    _send(ctx, "device_supports_op", messages.encode_request("device_supports_op", op=op))
+
+
 def p_set_tensor_truncated(ctx: Ctx) -> None:
     full = _set(ctx, _rpc(ctx), ctx.shmem, 0, 64)
     _send(ctx, "buffer_set_tensor", full[: 8 + 100], "request cut inside the tensor")
@@ -253,6 +261,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("buffer-type-empty", "buffer_type_get_alignment with an empty request (handle reads as 0)",
           p_buft_empty, "crashed"),
     Probe("supports-op-empty", "device_supports_op with an empty request", p_supports_op_empty, "crashed"),
+    Probe("supports-op-source-pointer", "device_supports_op whose source tensor carries a foreign buffer pointer",
+          p_supports_op_source_pointer, "crashed"),
     Probe("set-tensor-truncated", "buffer_set_tensor cut inside the tensor", p_set_tensor_truncated, "rejected"),
     Probe("set-tensor-unknown-resource", "buffer_set_tensor naming a shared resource that does not exist",
           p_set_tensor_unknown_res, "rejected"),

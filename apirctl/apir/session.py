@@ -7,6 +7,7 @@ which call, the signal, and the last lines the library printed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -47,7 +48,7 @@ class BackendProcess:
 
     def __init__(self, timeout: float = 120.0) -> None:
         self.timeout = timeout
-        self._stderr = tempfile.TemporaryFile()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.setdefault("GGML_NO_BACKTRACE", "1")  # ggml's abort would otherwise attach gdb: slow, noisy
@@ -142,10 +143,8 @@ class BackendProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            try:
+            with contextlib.suppress(BackendCrashed, RuntimeError):
                 self._call("exit", {"op": "exit"})
-            except (BackendCrashed, RuntimeError):
-                pass
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

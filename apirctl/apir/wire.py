@@ -13,6 +13,7 @@ behaviour, for side-by-side comparison with the C code.
 
 from __future__ import annotations
 
+import builtins
 import struct
 
 
@@ -64,7 +65,7 @@ class Encoder:
     def u8(self, value: int) -> None:
         self.raw(bytes((_check(value, 0, 0xFF),)), 4)
 
-    def bool(self, value: bool) -> None:
+    def bool(self, value: builtins.bool) -> None:
         self.raw(b"\x01" if value else b"\x00", 4)
 
     def u32(self, value: int) -> None:
@@ -154,7 +155,7 @@ class Decoder:
         got = self._take(4, "uint8")
         return 0 if got is None else got[0]
 
-    def bool(self) -> bool:
+    def bool(self) -> builtins.bool:
         got = self._take(4, "bool")
         return False if got is None else got[0] != 0
 
@@ -187,7 +188,7 @@ class Decoder:
     def u64_array(self, count: int) -> list[int]:
         return [self.u64() for _ in range(count)] if self._room(count * 8, "uint64 array") else []
 
-    def _room(self, size: int, what: str) -> bool:
+    def _room(self, size: int, what: str) -> builtins.bool:
         if size > self.remaining:
             self._take(size, what)  # raises, or sets the flag
             return False

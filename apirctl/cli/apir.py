@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -15,8 +16,8 @@ app = typer.Typer(
 
 @app.command()
 def generate(
-    out: Path = typer.Option(..., "--out", help="Directory to write the three headers to (created if missing)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the written paths as JSON."),
+    out: Annotated[Path, typer.Option("--out", help="Directory to write the three headers to (created if missing).")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the written paths as JSON.")] = False,
 ) -> None:
     """Write apir_backend.gen.h, virtgpu-forward.gen.h and backend-dispatched.gen.h from apirctl's table.
 
@@ -42,9 +43,10 @@ def generate(
 
 @app.command()
 def check(
-    source: Path | None = typer.Option(
-        None, "--source", help="A llama.cpp tree (default: the pinned source apirctl builds)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the differences as JSON."),
+    source: Annotated[
+        Path | None, typer.Option("--source", help="A llama.cpp tree (default: the pinned source apirctl builds).")
+    ] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the differences as JSON.")] = False,
 ) -> None:
     """Compare our generated headers with a llama.cpp tree's: enum values, command names, prototypes.
 
@@ -79,8 +81,8 @@ def check(
 
 @app.command("table")
 def show_table(
-    json_out: bool = typer.Option(False, "--json", help="Print the table as JSON."),
-    markdown: bool = typer.Option(False, "--markdown", help="Print the function reference of docs/apir.md."),
+    json_out: Annotated[bool, typer.Option("--json", help="Print the table as JSON.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Print the function reference of docs/apir.md.")] = False,
 ) -> None:
     """List the forwarded functions: command index, request fields and reply fields."""
     from apirctl.apir import table
@@ -92,9 +94,16 @@ def show_table(
         print(reference.markdown())
         return
 
-    rows = [{"index": f.index, "name": f.qualname, "deprecated": f.deprecated,
-             "request": [f"{x.name}:{x.kind.value}" for x in f.request],
-             "reply": [f"{x.name}:{x.kind.value}" for x in f.reply]} for f in table.functions()]
+    rows: list[dict[str, Any]] = [
+        {
+            "index": f.index,
+            "name": f.qualname,
+            "deprecated": f.deprecated,
+            "request": [f"{x.name}:{x.kind.value}" for x in f.request],
+            "reply": [f"{x.name}:{x.kind.value}" for x in f.reply],
+        }
+        for f in table.functions()
+    ]
     if json_out:
         print_json(rows)
         return
@@ -103,5 +112,5 @@ def show_table(
     t = Table("#", "function", "request", "reply")
     for r in rows:
         name = str(r["name"]) + (" (deprecated)" if r["deprecated"] else "")
-        t.add_row(str(r["index"]), name, ", ".join(r["request"]) or "-", ", ".join(r["reply"]) or "-")  # type: ignore[arg-type]
+        t.add_row(str(r["index"]), name, ", ".join(r["request"]) or "-", ", ".join(r["reply"]) or "-")
     console().print(t)

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-app = typer.Typer(help="Test the host API-remoting backend library (libggml-virtgpu-backend).",
-                  no_args_is_help=True)
+app = typer.Typer(help="Test the host API-remoting backend library (libggml-virtgpu-backend).", no_args_is_help=True)
 
 
 @app.command()
 def selftest(
-    library: Path | None = typer.Option(
-        None, "--library", help="The backend library (default: the one `apirctl setup` built)."),
-    ggml_library: Path | None = typer.Option(
-        None, "--ggml-library",
-        help="The GGML backend library it wraps, e.g. libggml-cuda.so (default: the host build's GPU or CPU one)."),
-    reg: str | None = typer.Option(
-        None, "--reg", help="Its registration symbol, e.g. ggml_backend_cuda_reg (default: matches the library)."),
-    calls: int = typer.Option(1000, "--calls", min=1, help="How many cheap calls to time."),
-    graph_calls: int = typer.Option(100, "--graph-calls", min=1, help="How many graph computes to time."),
-    free_shared: bool = typer.Option(
-        False, "--free-shared-buffer", help="Also free the shared-memory buffer and deinit (crashes upstream on CPU)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the full report as JSON."),
+    library: Annotated[
+        Path | None, typer.Option("--library", help="The backend library (default: the one `apirctl setup` built).")
+    ] = None,
+    ggml_library: Annotated[
+        Path | None,
+        typer.Option(
+            "--ggml-library",
+            help="The GGML backend library it wraps, e.g. libggml-cuda.so (default: the host build's GPU or CPU one).",
+        ),
+    ] = None,
+    reg: Annotated[
+        str | None,
+        typer.Option(
+            "--reg", help="Its registration symbol, e.g. ggml_backend_cuda_reg (default: matches the library)."
+        ),
+    ] = None,
+    calls: Annotated[int, typer.Option("--calls", min=1, help="How many cheap calls to time.")] = 1000,
+    graph_calls: Annotated[int, typer.Option("--graph-calls", min=1, help="How many graph computes to time.")] = 100,
+    free_shared: Annotated[
+        bool,
+        typer.Option(
+            "--free-shared-buffer", help="Also free the shared-memory buffer and deinit (crashes upstream on CPU)."
+        ),
+    ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
 ) -> None:
     """Load the backend library in a child process and drive it through the APIR protocol.
 
@@ -36,13 +49,19 @@ def selftest(
     from apirctl.cli.output import console, err_console, print_json
 
     if json_out:
-        report = st.run(library, ggml_library, reg, cheap_calls=calls, graph_calls=graph_calls,
-                        free_shared=free_shared)
+        report = st.run(library, ggml_library, reg, cheap_calls=calls, graph_calls=graph_calls, free_shared=free_shared)
         print_json(report.model_dump())
     else:
         with err_console().status("selftest") as status:
-            report = st.run(library, ggml_library, reg, cheap_calls=calls, graph_calls=graph_calls,
-                            free_shared=free_shared, progress=lambda msg: status.update(msg))
+            report = st.run(
+                library,
+                ggml_library,
+                reg,
+                cheap_calls=calls,
+                graph_calls=graph_calls,
+                free_shared=free_shared,
+                progress=lambda msg: status.update(msg),
+            )
         _print(report, console())
     if not report.ok:
         raise typer.Exit(1)
@@ -60,16 +79,24 @@ def _print(report: object, out: object) -> None:
     out.print(f"GGML library {escape(report.ggml_library)} ({report.reg})")
     if report.device:
         d = report.device
-        out.print(f"device       {escape(d.name)} ({d.type}): {escape(d.description)}, "
-                  f"{d.memory_total >> 20} MiB, buffer type {escape(d.buffer_type)}, {report.buffer_kind} buffer")
+        out.print(
+            f"device       {escape(d.name)} ({d.type}): {escape(d.description)}, "
+            f"{d.memory_total >> 20} MiB, buffer type {escape(d.buffer_type)}, {report.buffer_kind} buffer"
+        )
     for c in report.checks:
         mark = "[green]ok[/]  " if c.ok else "[red]FAIL[/]"
         out.print(f"  {mark} {escape(c.name)}" + (f" [dim]{escape(c.detail)}[/]" if c.detail else ""))
     if report.latencies:
         t = Table("call", "calls", "median µs", "p99 µs", "min µs", "max µs")
         for lat in report.latencies:
-            t.add_row(lat.call, str(lat.calls), f"{lat.median_us:.1f}", f"{lat.p99_us:.1f}",
-                      f"{lat.min_us:.1f}", f"{lat.max_us:.1f}")
+            t.add_row(
+                lat.call,
+                str(lat.calls),
+                f"{lat.median_us:.1f}",
+                f"{lat.p99_us:.1f}",
+                f"{lat.min_us:.1f}",
+                f"{lat.max_us:.1f}",
+            )
         out.print(t)
     for note in report.notes:
         out.print(f"[dim]note: {escape(note)}[/]")
@@ -82,11 +109,13 @@ def _print(report: object, out: object) -> None:
 
 @app.command()
 def probe(
-    library: Path | None = typer.Option(None, "--library", help="The backend library (default: the host build's)."),
-    ggml_library: Path | None = typer.Option(None, "--ggml-library", help="The GGML library it wraps."),
-    reg: str | None = typer.Option(None, "--reg", help="Its registration symbol."),
-    only: list[str] = typer.Option([], "--only", help="Run only this probe (repeatable)."),
-    json_out: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+    library: Annotated[
+        Path | None, typer.Option("--library", help="The backend library (default: the host build's).")
+    ] = None,
+    ggml_library: Annotated[Path | None, typer.Option("--ggml-library", help="The GGML library it wraps.")] = None,
+    reg: Annotated[str | None, typer.Option("--reg", help="Its registration symbol.")] = None,
+    only: Annotated[list[str] | None, typer.Option("--only", help="Run only this probe (repeatable).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
     """Send malformed commands to the backend library and record which it rejects and which crash it.
 
@@ -99,7 +128,7 @@ def probe(
     from apirctl.errors import ApirctlError
 
     known = {p.name for p in probes.PROBES}
-    unknown = [n for n in only if n not in known]
+    unknown = [n for n in only or [] if n not in known]
     if unknown:
         raise ApirctlError(f"unknown probe {', '.join(unknown)}", hint="known: " + ", ".join(sorted(known)))
     lib, ggml, symbol = st.resolve(library, ggml_library, reg)

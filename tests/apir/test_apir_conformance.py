@@ -43,11 +43,13 @@ def test_constants_match_the_headers(harness) -> None:  # type: ignore[no-untype
     assert (c["PROTOCOL_MAJOR"], c["PROTOCOL_MINOR"], c["HANDSHAKE_MAGIC"]) == (
         protocol.PROTOCOL_MAJOR, protocol.PROTOCOL_MINOR, protocol.HANDSHAKE_MAGIC)
     assert {m.name: m.value for m in protocol.CommandType} == {k: c[k] for k in ("HANDSHAKE", "LOADLIBRARY", "FORWARD")}
-    assert {m.name: m.value for m in protocol.LoadLibraryCode} == {k[5:]: v for k, v in c.items() if k.startswith("LOAD_")}
-    assert {m.name: m.value for m in protocol.ForwardCode} == {
-        k[8:]: v for k, v in c.items() if k.startswith("FORWARD_") and k != "FORWARD_INDEX_INVALID"}
-    assert {m.name: m.value for m in protocol.BackendInitCode} == {k[5:]: v for k, v in c.items() if k.startswith("INIT_")}
-    assert {m.name: m.value for m in protocol.GgmlStatus} == {k[7:]: v for k, v in c.items() if k.startswith("STATUS_")}
+    def prefixed(prefix: str) -> dict[str, int]:
+        return {k[len(prefix):]: v for k, v in c.items() if k.startswith(prefix) and k != "FORWARD_INDEX_INVALID"}
+
+    assert {m.name: m.value for m in protocol.LoadLibraryCode} == prefixed("LOAD_")
+    assert {m.name: m.value for m in protocol.ForwardCode} == prefixed("FORWARD_")
+    assert {m.name: m.value for m in protocol.BackendInitCode} == prefixed("INIT_")
+    assert {m.name: m.value for m in protocol.GgmlStatus} == prefixed("STATUS_")
     assert c["FORWARD_INDEX_INVALID"] == protocol.FORWARD_INDEX_INVALID
     assert c["DISPATCH_TABLE_COUNT"] == table.dispatch_table_count()
     assert (c["TYPE_F32"], c["OP_NONE"], c["OP_ADD"], c["OP_MUL_MAT"]) == (

@@ -102,3 +102,10 @@ def test_cli_table_json_lists_every_function() -> None:
     assert [r["index"] for r in rows] == list(range(23))
     row = next(r for r in rows if r["name"] == "buffer_set_tensor")
     assert row["request"] == ["buffer:handle", "tensor:rpc_tensor", "res_id:res_id", "offset:size", "size:size"]
+
+
+def test_docs_carry_the_generated_function_reference() -> None:
+    from apirctl.apir import reference
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "apir.md").read_text()
+    assert reference.section_of(doc) == reference.markdown(), "run `apirctl apir table --markdown` into docs/apir.md"

@@ -1,0 +1,113 @@
+"""The real backend library driven from Python: selftest, crash isolation, CLI, malformed commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apirctl.apir import probes, selftest
+from apirctl.apir.session import BackendProcess
+from apirctl.errors import ApirctlError
+
+pytestmark = pytest.mark.integration
+Libs = tuple[Path, Path, str]
+
+
+def test_selftest_passes_on_the_cpu_library(backend_libs: Libs) -> None:
+    report = selftest.run(*backend_libs, cheap_calls=200, graph_calls=20)
+    assert report.ok, report.model_dump_json(indent=1)
+    assert report.init_status == "backend init: SUCCESS"
+    assert report.device is not None and report.device.name == "CPU" and report.device.type == "CPU"
+    assert report.device.alignment > 0 and report.device.memory_total > 0
+    assert report.buffer_kind == "shared"  # the CPU device wraps our shared resource
+    assert report.max_rel_error is not None and report.max_rel_error < 1e-5
+    names = {c.name for c in report.checks}
+    assert {"graph result vs numpy", "buffer_set_tensor/get_tensor", "buffer_cpy_tensor", "buffer_clear",
+            "device_supports_op", "buffer_free_buffer"} <= names
+    lat = {x.call: x for x in report.latencies}
+    assert lat["device_get_count"].calls == 200 and lat["backend_graph_compute"].calls == 20
+    for x in lat.values():
+        assert 0 < x.min_us <= x.median_us <= x.p99_us <= x.max_us
+    assert report.crashed_in is None
+
+
+def test_a_crash_is_reported_with_the_call_and_we_survive(backend_libs: Libs) -> None:
+    report = selftest.run(*backend_libs, cheap_calls=10, graph_calls=2, free_shared=True)
+    assert not report.ok
+    assert report.crashed_in == "buffer_free_buffer"
+    assert report.crash is not None and "SIGSEGV" in report.crash
+    assert any(c.name == "graph result vs numpy" and c.ok for c in report.checks)  # what ran before still counts
+
+
+def test_wrong_registration_symbol_is_an_init_failure_not_a_crash(backend_libs: Libs) -> None:
+    lib, ggml, _ = backend_libs
+    report = selftest.run(lib, ggml, "no_such_symbol_reg")
+    assert not report.ok and report.crashed_in is None
+    assert report.init_code == 5 and report.init_status == "SYMBOL_MISSING"
+
+
+def test_missing_library_is_a_clear_error(backend_libs: Libs, tmp_path: Path) -> None:
+    with pytest.raises(ApirctlError, match="does not exist"):
+        selftest.run(tmp_path / "nope.so", backend_libs[1], backend_libs[2])
+
+
+def test_defaults_come_from_the_host_build(backend_libs: Libs) -> None:
+    lib, ggml, reg = selftest.default_libraries()
+    assert (lib, ggml, reg) == backend_libs
+
+
+def test_library_prints_do_not_corrupt_the_framing(backend_libs: Libs) -> None:
+    # An unknown buffer makes the library printf to stdout; the child sends that to stderr.
+    result = probes.run_probe(next(p for p in probes.PROBES if p.name == "tensor-unknown-buffer"), *backend_libs)
+    assert result.outcome == "crashed" and "HOST BUFFER NOT FOUND" in result.detail
+    with BackendProcess() as proc:
+        assert proc.initialize(*backend_libs) == 6
+        assert proc.call("device_get_name")[0]["name"] == "CPU"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))
+
+
+def test_cli_selftest_json(backend_libs: Libs) -> None:
+    lib, ggml, reg = backend_libs
+    done = _cli("backend", "selftest", "--library", str(lib), "--ggml-library", str(ggml), "--reg", reg,
+                "--calls", "50", "--graph-calls", "5", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] and report["device"]["name"] == "CPU"
+    assert [x["call"] for x in report["latencies"]] == ["device_get_count", "backend_graph_compute"]
+
+
+def test_cli_selftest_crash_exits_non_zero_without_traceback(backend_libs: Libs) -> None:
+    lib, ggml, reg = backend_libs
+    done = _cli("backend", "selftest", "--library", str(lib), "--ggml-library", str(ggml), "--reg", reg,
+                "--calls", "5", "--graph-calls", "1", "--free-shared-buffer")
+    assert done.returncode == 1
+    assert "crashed during buffer_free_buffer" in done.stdout
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+def test_cli_selftest_missing_library_is_one_line(tmp_path: Path) -> None:
+    done = _cli("backend", "selftest", "--library", str(tmp_path / "x.so"), "--ggml-library",
+                str(tmp_path / "y.so"), "--reg", "r")
+    assert done.returncode != 0
+    assert done.stderr.startswith("apirctl: error:") and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("probe", probes.PROBES, ids=lambda p: p.name)
+def test_malformed_command_outcome_is_the_documented_one(probe: probes.Probe, backend_libs: Libs) -> None:
+    result = probes.run_probe(probe, *backend_libs)
+    assert result.outcome == probe.expected, result.detail
+
+
+def test_docs_list_every_probe() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "apir.md").read_text()
+    for p in probes.PROBES:
+        assert f"`{p.name}`" in doc
