@@ -83,7 +83,20 @@ def install(
         if not virglrenderer:
             raise ApirctlError("--build needs --virglrenderer PATH (the API-remoting virglrenderer is not "
                                "released upstream yet)")
-        b, changed = bundle.build(Path(virglrenderer).expanduser(), image=image, version=version)
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        from apirctl.cli.output import err_console
+
+        with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err_console(), transient=True,
+                      disable=json_out) as progress:
+            task = progress.add_task("building llama.cpp (Metal + ggml-virtgpu backend)", total=None)
+
+            def on_build(done: int, total: int, _line: str) -> None:
+                progress.update(task, completed=done, total=total or None)
+
+            b, changed = bundle.build(Path(virglrenderer).expanduser(), image=image, version=version,
+                                      progress=on_build)
     else:
         b, changed = _import(source, sha256, version, image, quiet=json_out)
     if json_out:

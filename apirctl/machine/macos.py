@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -311,9 +312,15 @@ def run_selftest(b: Bundle) -> dict[str, Any]:
     return {"selftest": "passed"}
 
 
-def restart(options: RestartOptions) -> MachineStatus:
+def restart(options: RestartOptions, progress: Callable[[str], None] | None = None) -> MachineStatus:
+    """Restart the libkrun machine, with remoting when `options.remoting`.
+
+    `progress(step)` is told each step as it starts (a CLI shows it: stopping and starting a
+    machine takes a while); it is optional so the Platform interface stays the same.
+    """
+    say = progress or (lambda _step: None)
     if not options.remoting:
-        return _restart_plain(options.name)
+        return _restart_plain(options.name, say)
     from apirctl import bundle, krunkit
 
     _podman()
@@ -324,18 +331,26 @@ def restart(options: RestartOptions) -> MachineStatus:
     if b.virglrenderer is None:
         raise ApirctlError(f"bundle {b.version} has no libvirglrenderer.1.dylib",
                            hint="install a bundle that ships the API-remoting virglrenderer")
+    say("checking the libkrun machine")
     info = _require_machine(options.name)
     was_running = str(info.get("State", "")).lower() == "running"
     extra: dict[str, Any] = {}
     if options.selftest:
+        say(f"testing the backend library of bundle {b.version}")
         extra.update(run_selftest(b))
+    say("patching krunkit into the bundle")
     patched = krunkit.patch(b.bin_dir, options.krunkit)
     extra["krunkit_patch"] = "updated" if patched.get("changed") else "up to date"
+    machine_name = options.name or DEFAULT_MACHINE
+    say(f"stopping machine {machine_name}")
     _stop_machine(options.name)
     try:
+        say(f"starting machine {machine_name} with API remoting")
         _start_machine(options.name, _machine_env(remoting_env(b)))
+        say("checking that krunkit loaded the bundle's virglrenderer")
         mapped = _verify_mapped(b)
     except ApirctlError as exc:
+        say("restoring the machine without remoting" if was_running else "stopping the machine")
         _rollback(options.name, was_running)
         back = "restarted without remoting" if was_running else "left stopped, as it was"
         raise ApirctlError(f"restart with remoting failed: {exc.message}; the machine was {back}",
@@ -356,9 +371,12 @@ def _rollback(name: str | None, start: bool) -> None:
                   file=sys.stderr)
 
 
-def _restart_plain(name: str | None) -> MachineStatus:
+def _restart_plain(name: str | None, say: Callable[[str], None]) -> MachineStatus:
+    say("checking the libkrun machine")
     _require_machine(name)
+    say(f"stopping machine {name or DEFAULT_MACHINE}")
     _stop_machine(name)
+    say(f"starting machine {name or DEFAULT_MACHINE} without remoting")
     _start_machine(name, _machine_env(plain=True))
     return status(name)
 

@@ -249,3 +249,12 @@ def test_cli_status_exit_code_is_the_state(fake_mac: FakeMac, homebrew_on_mac: H
     out = _cli("machine", "restart", "--remoting", "--no-selftest")
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert out.stderr.startswith("apirctl: error: restart with remoting failed")
+
+
+def test_restart_reports_each_step(fake_mac: FakeMac, homebrew_on_mac: Homebrew, installed: Any) -> None:
+    fake_mac.add_machine(running=True)
+    steps: list[str] = []
+    macos.restart(REMOTING, progress=steps.append)
+    assert steps == ["checking the libkrun machine", "patching krunkit into the bundle",
+                     f"stopping machine {NAME}", f"starting machine {NAME} with API remoting",
+                     "checking that krunkit loaded the bundle's virglrenderer"]
