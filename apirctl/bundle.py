@@ -373,13 +373,15 @@ def uninstall(version: str | None = None) -> Bundle:
         bundle = active()
         if bundle is None:
             installed = list_bundles()
+            if not installed:
+                raise ApirctlError("no bundle is installed", hint="see `apirctl install --help`")
             if len(installed) != 1:
                 raise ApirctlError("which bundle? none is active",
                                    hint="name one: see `apirctl install --list`")
             bundle = installed[0]
     else:
         bundle = get(version)
-    if bundle.active and in_use(bundle):
+    if in_use(bundle):
         raise ApirctlError(f"bundle {bundle.version} is in use by the running machine",
                            hint="run `apirctl machine restart` (without --remoting) or "
                                 "`apirctl machine stop` first")
@@ -409,7 +411,9 @@ def build(virglrenderer: Path, *, image: str | None = None, version: str | None 
                            hint="pass the libvirglrenderer.1.dylib of a virglrenderer built with APIR")
     from apirctl import llamacpp
 
-    options = llamacpp.BuildOptions(backend="metal", rpc=False, virtgpu_backend=True)
+    options = llamacpp.host_options("metal")  # the same build as `apirctl setup`'s: cached once
+    if not options.virtgpu_backend:
+        options = options.model_copy(update={"virtgpu_backend": True})
     built = llamacpp.build(options, progress=progress)
     base = ensure(root())
     work = Path(tempfile.mkdtemp(prefix=".build-", dir=base))
