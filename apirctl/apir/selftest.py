@@ -11,6 +11,7 @@ the library ends the run with the call that caused it; apirctl itself survives.
 from __future__ import annotations
 
 import statistics
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -82,7 +83,16 @@ def latency(call: str, times_ns: list[int]) -> Latency:
 
 
 def default_libraries() -> tuple[Path, Path, str]:
-    """The backend library, GGML library and registration symbol of the host build."""
+    """The backend library, GGML library and registration symbol to test by default.
+
+    On macOS the active API-remoting bundle's (what krunkit will load), else the host build's.
+    """
+    if sys.platform == "darwin":
+        from apirctl import bundle
+
+        active = bundle.active()
+        if active is not None:
+            return active.backend_path, active.ggml_path, active.ggml_reg
     from apirctl import llamacpp
 
     build = llamacpp.require_build()
@@ -127,6 +137,7 @@ def run(library: Path | None = None, ggml_library: Path | None = None, reg: str 
         except BackendCrashed as exc:
             report.crashed_in = exc.call
             report.crash = str(exc)
+            report.checks.append(Check(name=exc.call, ok=False, detail=str(exc)))
         except CallFailed as exc:
             report.error = str(exc)
             report.checks.append(Check(name=exc.call, ok=False, detail=str(exc)))

@@ -168,6 +168,7 @@ class Tensor:
     offset: int | None = None
     name: str = ""
     element_size: int = 4
+    strides: tuple[int, ...] | None = None  # bytes per step in each dimension; default contiguous
     id: int = field(default_factory=lambda: next(_ids))
 
     @property
@@ -176,6 +177,11 @@ class Tensor:
 
     @property
     def nb(self) -> list[int]:
+        if self.strides is not None:
+            given = list(self.strides)
+            while len(given) < MAX_DIMS:
+                given.append(given[-1] * self.ne[len(given) - 1])
+            return given
         strides = [self.element_size]
         for n in self.ne[:-1]:
             strides.append(strides[-1] * n)
@@ -183,7 +189,8 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return self.nb[-1] * self.ne[-1]
+        """Bytes from the first element to just past the last (ggml_nbytes for plain types)."""
+        return self.element_size + sum((n - 1) * b for n, b in zip(self.ne, self.nb, strict=True))
 
     def to_rpc(self) -> RpcTensor:
         return RpcTensor(

@@ -168,11 +168,14 @@ def test_backend_rebuilds_our_graphs(harness, k: int, m: int, n: int, name: str,
     b = tensor.Tensor((k, n), name="b")
     mm = tensor.Tensor((m, n), op=tensor.OP_MUL_MAT, src=[a, b], name=name, op_params=params, offset=0)
     c = tensor.Tensor((m, n), name="c")
+    v = tensor.Tensor((m, n - 1 or 1), view_src=c, view_offs=4 * m, name="v", strides=(4, 4 * m))
     out = tensor.Tensor((m, n), op=tensor.OP_ADD, src=[mm, c], name="out")
-    graph = json.loads(harness.ask(f"graph {tensor.Graph([mm, out]).serialize().hex()}"))
+    graph = json.loads(harness.ask(f"graph {tensor.Graph([mm, out, v]).serialize().hex()}"))
     assert graph["fatal"] == 0
     got = graph["nodes"]
-    assert [g["op"] for g in got] == [tensor.OP_MUL_MAT, tensor.OP_ADD]
+    assert [g["op"] for g in got] == [tensor.OP_MUL_MAT, tensor.OP_ADD, tensor.OP_NONE]
+    assert bytes.fromhex(got[2]["view_src"]) == b"c" and got[2]["view_offs"] == 4 * m
+    assert got[2]["nb"][:2] == [4, 4 * m]
     assert bytes.fromhex(got[0]["name"]).decode() == name
     assert got[0]["ne"] == mm.ne and got[0]["nb"] == mm.nb
     assert got[0]["op_params"] == params + [0] * (16 - len(params))

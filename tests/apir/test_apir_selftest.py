@@ -41,6 +41,7 @@ def test_a_crash_is_reported_with_the_call_and_we_survive(backend_libs: Libs) ->
     assert not report.ok
     assert report.crashed_in == "buffer_free_buffer"
     assert report.crash is not None and "SIGSEGV" in report.crash
+    assert report.checks[-1].name == "buffer_free_buffer" and not report.checks[-1].ok
     assert any(c.name == "graph result vs numpy" and c.ok for c in report.checks)  # what ran before still counts
 
 
@@ -59,6 +60,20 @@ def test_missing_library_is_a_clear_error(backend_libs: Libs, tmp_path: Path) ->
 def test_defaults_come_from_the_host_build(backend_libs: Libs) -> None:
     lib, ggml, reg = selftest.default_libraries()
     assert (lib, ggml, reg) == backend_libs
+
+
+def test_on_macos_the_active_bundle_is_the_default(backend_libs: Libs, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    # Only the platform is faked: the "bundle" holds this machine's real libraries.
+    from apirctl import bundle
+
+    lib, ggml, reg = backend_libs
+    fake = bundle.Bundle(version="t1", path=tmp_path, source="test", installed_at="now",
+                         backend_library=lib.name, ggml_library=ggml.name, ggml_reg=reg)
+    (tmp_path / "bin").symlink_to(lib.parent)
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(bundle, "active", lambda: fake)
+    assert selftest.default_libraries() == (tmp_path / "bin" / lib.name, tmp_path / "bin" / ggml.name, reg)
 
 
 def test_library_prints_do_not_corrupt_the_framing(backend_libs: Libs) -> None:

@@ -177,6 +177,14 @@ def test_graph_serialization_frames_and_orders_like_upstream() -> None:
     assert all(t.flags & tensor.FLAG_COMPUTE for t in g.tensors if t.id in g.nodes)
 
 
+def test_tensor_strides_and_size() -> None:
+    t = tensor.Tensor((3, 2))
+    assert t.nb == [4, 12, 24, 24] and t.nbytes == 24
+    row = tensor.Tensor((3, 2), strides=(4, 16))  # rows padded to 16 bytes
+    assert row.nb == [4, 16, 32, 32] and row.nbytes == 4 + 2 * 4 + 16
+    assert row.to_rpc().nb == [4, 16, 32, 32]
+
+
 def test_graph_with_dangling_reference_fails_check() -> None:
     a = tensor.Tensor((2,), name="a")
     n = tensor.Tensor((2,), op=tensor.OP_ADD, src=[a, a])
