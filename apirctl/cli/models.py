@@ -50,9 +50,13 @@ def list_(json_out: bool = typer.Option(False, "--json", help="Print as JSON."))
     table = Table()
     for col in ("NAME", "SOURCE", "SIZE", "QUANT", "WHERE"):
         table.add_column(col, justify="right" if col == "SIZE" else "left", overflow="fold")
+    from rich.markup import escape
+
     for row in rows:
-        name = row.name + (f" ({', '.join(row.aliases)})" if row.aliases else "")
-        table.add_row(name, row.source, _size(row.size), row.quantization or "?", str(row.where))
+        # A short name first (what users type), the canonical reference under it.
+        name = f"{escape(', '.join(row.aliases))}\n[dim]{escape(row.name)}[/]" if row.aliases else escape(row.name)
+        table.add_row(name, row.source, _size(row.size), row.quantization or "?",
+                      f"[dim]{escape(str(row.where))}[/]")
     console().print(table)
 
 
