@@ -141,3 +141,57 @@ def decode_command(data: bytes | memoryview) -> tuple[int, int, int, memoryview]
     if ctype >= protocol.VENUS_COMMAND_TYPE_LENGTH:
         ctype -= protocol.VENUS_COMMAND_TYPE_LENGTH
     return ctype, flags, res, dec.raw(dec.remaining)
+
+
+def encode_handshake(reply_res_id: int, major: int = protocol.PROTOCOL_MAJOR, minor: int = protocol.PROTOCOL_MINOR,
+                     venus_shift: bool = False) -> bytes:
+    """HANDSHAKE: the guest's protocol version."""
+    enc = Encoder()
+    enc.u32(major)
+    enc.u32(minor)
+    return encode_command(protocol.CommandType.HANDSHAKE, 0, reply_res_id, venus_shift) + enc.getvalue()
+
+
+def decode_handshake_reply(code: int, data: bytes | memoryview) -> tuple[int, int]:
+    """The host's (major, minor); the return code must be the handshake magic."""
+    if code != protocol.HANDSHAKE_MAGIC:
+        raise ApirDecodeError(f"handshake answered {code:#x}, not the magic {protocol.HANDSHAKE_MAGIC:#x}", 0)
+    dec = Decoder(data)
+    return dec.u32(), dec.u32()
+
+
+def describe(data: bytes | memoryview) -> dict[str, Any]:
+    """A whole command as plain values, for people reading a capture."""
+    ctype, flags, res, rest = decode_command(data)
+    out: dict[str, Any] = {"reply_res_id": res}
+    try:
+        out["command"] = protocol.CommandType(ctype).name
+    except ValueError:
+        out["command"] = f"unknown ({ctype})"
+        return out
+    if ctype == protocol.CommandType.HANDSHAKE:
+        dec = Decoder(rest)
+        out["guest_version"] = f"{dec.u32()}.{dec.u32()}"
+    elif ctype == protocol.CommandType.FORWARD:
+        if not 0 <= flags < table.dispatch_table_count():
+            out["function"] = f"unknown index {flags}"
+            return out
+        fn = table.by_index(flags)
+        out["function"] = fn.qualname
+        out["request"] = {k: _plain(v) for k, v in decode_request(fn, rest, exact=True).items()}
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON-friendly form of a decoded value."""
+    import dataclasses
+
+    if isinstance(value, RpcTensor):
+        d = dataclasses.asdict(value)
+        d["name"] = value.name.decode(errors="replace")
+        return d
+    if hasattr(value, "tensor") and hasattr(value, "src"):  # InlineTensor
+        t = value.tensor
+        return {"type": t.type, "op": t.op, "ne": list(t.ne), "nb": list(t.nb), "name": t.name.decode(errors="replace"),
+                "buffer": value.buffer, "sources": len(value.src), "view_src": value.view_src is not None}
+    return value

@@ -114,3 +114,47 @@ def show_table(
         name = str(r["name"]) + (" (deprecated)" if r["deprecated"] else "")
         t.add_row(str(r["index"]), name, ", ".join(r["request"]) or "-", ", ".join(r["reply"]) or "-")
     console().print(t)
+
+
+@app.command()
+def decode(
+    data: Annotated[str, typer.Argument(help="The command as hex, or @FILE for raw bytes from a file.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print the decoded fields as JSON.")] = False,
+) -> None:
+    """Decode one APIR command (header and request fields), e.g. from a capture or a log.
+
+    Example: `apirctl apir decode 020000001400000009000000010000000000000007000000`
+    (FORWARD buffer_clear of buffer 1 with value 7, reply in resource 9).
+    """
+    from apirctl.apir import messages
+    from apirctl.apir.wire import ApirDecodeError
+    from apirctl.cli.output import print_json
+    from apirctl.errors import ApirctlError
+
+    if data.startswith("@"):
+        try:
+            raw = Path(data[1:]).read_bytes()
+        except OSError as exc:
+            raise ApirctlError(f"cannot read {data[1:]}: {exc.strerror}") from None
+    else:
+        try:
+            raw = bytes.fromhex(data.replace(" ", ""))
+        except ValueError:
+            raise ApirctlError("not hexadecimal bytes", hint="pass hex digits, or @FILE for a binary file") from None
+    try:
+        described = messages.describe(raw)
+    except ApirDecodeError as exc:
+        raise ApirctlError(f"cannot decode: {exc}") from None
+    if json_out:
+        print_json(described)
+        return
+    from rich.markup import escape
+
+    from apirctl.cli.output import console
+
+    head = f"{described['command']} {described.get('function', '')}".strip()
+    console().print(f"{escape(head)} (reply in resource {described['reply_res_id']})")
+    for key, value in described.get("request", {}).items():
+        console().print(f"  {key} = {escape(repr(value))}")
+    if "guest_version" in described:
+        console().print(f"  guest version {described['guest_version']}")

@@ -251,3 +251,41 @@ def test_fuzz_mutated_valid_messages(msg: bytes, flips: list[tuple[int, int]], c
         if data:
             data[pos % len(data)] = val
     _decode_everything(bytes(data[: cut % (len(data) + 1)]))
+
+
+def test_handshake_round_trip() -> None:
+    data = messages.encode_handshake(reply_res_id=4)
+    assert messages.describe(data) == {"reply_res_id": 4, "command": "HANDSHAKE", "guest_version": "0.2"}
+    reply = Encoder()
+    reply.u32(0)
+    reply.u32(3)
+    assert messages.decode_handshake_reply(protocol.HANDSHAKE_MAGIC, reply.getvalue()) == (0, 3)
+    with pytest.raises(ApirDecodeError):
+        messages.decode_handshake_reply(7, reply.getvalue())
+
+
+def test_describe_a_forward_command() -> None:
+    t = tensor.RpcTensor(id=3, name=b"w")
+    data = messages.encode_forward("buffer_get_tensor", reply_res_id=1, buffer=2, tensor=t, res_id=5, offset=0,
+                                   size=16)
+    got = messages.describe(data)
+    assert got["function"] == "buffer_get_tensor"
+    assert got["request"]["tensor"]["name"] == "w" and got["request"]["size"] == 16
+    assert messages.describe(messages.encode_command(protocol.CommandType.FORWARD, 99, 1))["function"] == (
+        "unknown index 99")
+
+
+def test_cli_decode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from typer.testing import CliRunner
+
+    from apirctl.cli import app
+
+    data = messages.encode_forward("buffer_clear", reply_res_id=9, buffer=1, value=7)
+    result = CliRunner().invoke(app, ["apir", "decode", data.hex(), "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["request"] == {"buffer": 1, "value": 7}
+    (tmp_path / "cmd.bin").write_bytes(data[:-2])
+    result = CliRunner().invoke(app, ["apir", "decode", f"@{tmp_path / 'cmd.bin'}"])
+    assert result.exit_code != 0 and "cannot decode" in str(result.exception)
