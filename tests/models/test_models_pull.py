@@ -166,6 +166,24 @@ def test_resume_of_a_changed_url_starts_over(registry: Registry, gguf_factory: C
     assert not any(f.startswith("partial/") for f in store_files())
 
 
+def test_concurrent_pull_of_one_file_is_refused(registry: Registry, gguf_factory: Callable[..., bytes]) -> None:
+    import fcntl
+
+    from apirctl.models.store import Store
+
+    digest = registry.add_ollama("busy", "latest", gguf_factory("busy"))
+    partial = Store().partial_path(digest)
+    partial.parent.mkdir(parents=True)
+    with partial.open("ab") as other:  # another process's download in progress
+        other.write(b"GGUF")
+        other.flush()
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)
+        with pytest.raises(ApirctlError, match="another apirctl is downloading"):
+            models.resolve("ollama://busy", quiet=True)
+        assert partial.read_bytes() == b"GGUF"  # the other download's bytes are untouched
+    assert models.resolve("ollama://busy", quiet=True).digest == f"sha256:{digest}"
+
+
 def test_progress_bar_shows_when_not_quiet(registry: Registry, gguf_factory: Callable[..., bytes],
                                            capsys: pytest.CaptureFixture[str]) -> None:
     registry.add_hf("org/repo", "p.gguf", gguf_factory("progress"))
