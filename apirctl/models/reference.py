@@ -57,7 +57,7 @@ def looks_like_path(text: str) -> bool:
     return (
         text.startswith(("/", "./", "../", "~"))
         or (text.lower().endswith(".gguf") and "://" not in text and not text.startswith(_HF_PREFIXES))
-        or Path(text).exists()
+        or Path(text).is_file()
     )
 
 
