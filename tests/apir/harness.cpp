@@ -58,6 +58,7 @@ static int enc_cmd(std::istringstream & in, const std::string & kind) {
     else if (kind == "size") { uint64_t v; in >> v; size_t x = v; apir_encode_size_t(&enc, &x); }
     else if (kind == "uintptr") { uint64_t v; in >> v; uintptr_t x = v; apir_encode_uintptr_t(&enc, &x); }
     else if (kind == "buft_handle") { uint64_t v; in >> v; apir_encode_apir_buffer_type_host_handle(&enc, v); }
+    else if (kind == "inline_buf_handle") { uint64_t v; in >> v; apir_buffer_host_handle_t x = v; apir_encode_ggml_buffer_handle(&enc, &x); }
     else if (kind == "buf_handle") { uint64_t v; in >> v; apir_buffer_host_handle_t x = v; apir_encode_apir_buffer_host_handle_t(&enc, &x); }
     else if (kind == "array_size") { uint64_t v; in >> v; apir_encode_array_size(&enc, v); }
     else if (kind == "res_id") { uint32_t v; in >> v; apir_encode_virtgpu_shmem_res_id(&enc, v); }

@@ -183,3 +183,13 @@ def test_backend_rebuilds_our_graphs(harness, k: int, m: int, n: int, name: str,
     assert [bytes.fromhex(s["name"]) for s in got[1]["src"]] == [name.encode(), b"c"]
     assert got[1]["src"][0]["op"] == tensor.OP_MUL_MAT  # the same node, shared, not a copy
     assert all(g["flags"] & tensor.FLAG_COMPUTE for g in got)
+
+
+def test_upstream_inline_buffer_handle_is_not_the_handle(harness) -> None:  # type: ignore[no-untyped-def]
+    # Finding (docs/apir.md): the frontend's apir_encode_ggml_buffer_handle writes the address of its
+    # pointer parameter, not the handle. When upstream fixes it, this fails: update the docs then.
+    handle = 0x1234_5678_9ABC
+    c_bytes = bytes.fromhex(harness.ask(f"enc inline_buf_handle {handle}"))
+    assert len(c_bytes) == 8
+    assert int.from_bytes(c_bytes, "little") != handle
+    assert _enc("handle", handle) == handle.to_bytes(8, "little").hex()  # ours sends the handle

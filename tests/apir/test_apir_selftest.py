@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from apirctl.apir import probes, selftest
 from apirctl.apir.session import BackendProcess
@@ -126,3 +128,43 @@ def test_docs_list_every_probe() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "apir.md").read_text()
     for p in probes.PROBES:
         assert f"`{p.name}`" in doc
+
+
+def test_graph_compute_leaks_host_memory_upstream_finding(backend_libs: Libs) -> None:
+    # Finding (docs/apir.md): every graph compute leaks the ggml context it deserializes into.
+    from apirctl.apir.graph_check import matmul_add_case
+
+    with BackendProcess() as proc:
+        assert proc.initialize(*backend_libs) == 6
+        buft = proc.call("device_get_buffer_type")[0]["buft"]
+        case = matmul_add_case(8, 8, 8)
+        case.place(proc.call("buffer_type_alloc_buffer", buft=buft, size=case.buffer_size)[0]["buffer"])
+        graph = case.graph.serialize()
+        res = proc.shmem(len(graph))
+        proc.shmem_write(res, graph)
+        proc.call("backend_graph_compute", repeat=200, res_id=res, graph_size=len(graph))  # warm up allocators
+        before = proc.rss_kb()
+        proc.call("backend_graph_compute", repeat=3000, res_id=res, graph_size=len(graph))
+        grown = (proc.rss_kb() - before) * 1024
+    assert grown > 3000 * 1024  # more than 1 KiB per call, never given back
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_tensor_bytes_round_trip_through_the_real_library(backend_libs: Libs, data: st.DataObject) -> None:
+    from apirctl.apir import tensor
+
+    shape = tuple(data.draw(st.lists(st.integers(1, 17), min_size=1, max_size=4), label="shape"))
+    with BackendProcess() as proc:
+        assert proc.initialize(*backend_libs) == 6
+        buft = proc.call("device_get_buffer_type")[0]["buft"]
+        t = tensor.Tensor(shape, name="t", offset=data.draw(st.sampled_from([0, 32, 64]), label="offset"))
+        size = t.offset + t.nbytes  # type: ignore[operator]
+        t.buffer = proc.call("buffer_type_alloc_buffer", buft=buft, size=size)[0]["buffer"]
+        payload = data.draw(st.binary(min_size=t.nbytes, max_size=t.nbytes), label="payload")
+        res = proc.shmem(t.nbytes)
+        proc.shmem_write(res, payload)
+        proc.call("buffer_set_tensor", buffer=t.buffer, tensor=t.to_rpc(), res_id=res, offset=0, size=t.nbytes)
+        proc.shmem_write(res, bytes(t.nbytes))
+        proc.call("buffer_get_tensor", buffer=t.buffer, tensor=t.to_rpc(), res_id=res, offset=0, size=t.nbytes)
+        assert proc.shmem_read(res, t.nbytes) == payload
