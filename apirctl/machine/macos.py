@@ -84,7 +84,7 @@ def _why(proc: subprocess.CompletedProcess[str]) -> str:
 
 def inspect(name: str | None = None) -> dict[str, Any] | None:
     """`podman machine inspect` of the libkrun machine; None when it does not exist."""
-    proc = _run([_podman(), "machine", "inspect", name or DEFAULT_MACHINE])
+    proc = _run([_podman(), "machine", "inspect", *([name] if name else [])])  # none: the default machine
     if proc.returncode != 0:
         if "does not exist" in (proc.stderr or ""):
             return None
@@ -225,6 +225,8 @@ def status(name: str | None = None) -> MachineStatus:
     if info is None:
         return _st(MachineState.NOT_RUNNING, f"there is no libkrun machine {machine_name}",
                    f"{INIT_HINT}, then apirctl machine restart --remoting", **common)
+    machine_name = str(info.get("Name") or machine_name)
+    common["machine"] = machine_name
     if str(info.get("State", "")).lower() != "running":
         return _st(MachineState.NOT_RUNNING, f"machine {machine_name} is not running",
                    "apirctl machine restart --remoting", **common)
@@ -341,17 +343,18 @@ def restart(options: RestartOptions, progress: Callable[[str], None] | None = No
     say("patching krunkit into the bundle")
     patched = krunkit.patch(b.bin_dir, options.krunkit)
     extra["krunkit_patch"] = "updated" if patched.get("changed") else "up to date"
-    machine_name = options.name or DEFAULT_MACHINE
-    say(f"stopping machine {machine_name}")
-    _stop_machine(options.name)
+    machine_name = str(info.get("Name") or options.name or DEFAULT_MACHINE)
+    if was_running:
+        say(f"stopping machine {machine_name}")
+        _stop_machine(machine_name)
     try:
         say(f"starting machine {machine_name} with API remoting")
-        _start_machine(options.name, _machine_env(remoting_env(b)))
+        _start_machine(machine_name, _machine_env(remoting_env(b)))
         say("checking that krunkit loaded the bundle's virglrenderer")
         mapped = _verify_mapped(b)
     except ApirctlError as exc:
         say("restoring the machine without remoting" if was_running else "stopping the machine")
-        _rollback(options.name, was_running)
+        _rollback(machine_name, was_running)
         back = "restarted without remoting" if was_running else "left stopped, as it was"
         raise ApirctlError(f"restart with remoting failed: {exc.message}; the machine was {back}",
                            hint="see `apirctl machine logs` and `apirctl machine status`") from exc
@@ -373,11 +376,13 @@ def _rollback(name: str | None, start: bool) -> None:
 
 def _restart_plain(name: str | None, say: Callable[[str], None]) -> MachineStatus:
     say("checking the libkrun machine")
-    _require_machine(name)
-    say(f"stopping machine {name or DEFAULT_MACHINE}")
-    _stop_machine(name)
-    say(f"starting machine {name or DEFAULT_MACHINE} without remoting")
-    _start_machine(name, _machine_env(plain=True))
+    info = _require_machine(name)
+    machine_name = str(info.get("Name") or name or DEFAULT_MACHINE)
+    if str(info.get("State", "")).lower() == "running":
+        say(f"stopping machine {machine_name}")
+        _stop_machine(machine_name)
+    say(f"starting machine {machine_name} without remoting")
+    _start_machine(machine_name, _machine_env(plain=True))
     return status(name)
 
 
@@ -394,7 +399,7 @@ def stop(name: str | None = None, force: bool = False) -> MachineStatus:
                                hint="stop them with `apirctl stop`, or pass --force")
         for s in servers:
             _run([_podman(), "stop", str(s.get("Id") or s["Names"][0])], env=dict(os.environ))
-    _stop_machine(name)
+        _stop_machine(str(info.get("Name") or name or DEFAULT_MACHINE))
     return status(name)
 
 

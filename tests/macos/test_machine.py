@@ -258,3 +258,15 @@ def test_restart_reports_each_step(fake_mac: FakeMac, homebrew_on_mac: Homebrew,
     assert steps == ["checking the libkrun machine", "patching krunkit into the bundle",
                      f"stopping machine {NAME}", f"starting machine {NAME} with API remoting",
                      "checking that krunkit loaded the bundle's virglrenderer"]
+
+
+def test_named_stopped_machine_starts_with_remoting(fake_mac: FakeMac, homebrew_on_mac: Homebrew,
+                                                   installed: Any) -> None:
+    fake_mac.add_machine(name="gpu", running=False)
+    st = macos.restart(RestartOptions(name="gpu", remoting=True, selftest=False))
+    assert st.state == MachineState.READY and st.details["machine"] == "gpu"
+    assert fake_mac.machine_calls("stop") == []  # nothing to stop
+    assert fake_mac.machine_calls("start")[-1]["argv"] == ["machine", "start", "--no-info", "gpu"]
+    assert macos.status().state == MachineState.NOT_RUNNING  # the default machine is another one
+    assert macos.stop("gpu").state == MachineState.NOT_RUNNING
+    assert fake_mac.machine_calls("stop")[-1]["argv"] == ["machine", "stop", "gpu"]
