@@ -271,7 +271,8 @@ def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = Non
 
     served, levels = run(url, params, on_progress)
     return Run(
-        id=new_id(), created=now_iso(), kind="serving", model=label or served or base_url(url),
+        id=new_id(), created=now_iso(), kind="serving",
+        model=label or (served.rsplit("/", 1)[-1] if served else base_url(url)),
         params={"url": base_url(url), "concurrency": list(params.concurrency), "requests": params.requests,
                 "prompt_tokens": params.prompt_tokens, "max_tokens": params.max_tokens,
                 "time_limit": params.time_limit},

@@ -144,12 +144,13 @@ def skipped_notes(run: Run) -> list[str]:
 
 
 def serving_table(levels: list[LevelResult], title: str = "serving load") -> RenderableType:
+    from rich import box
     from rich.table import Table
 
-    t = Table(title=title, title_justify="left")
-    for name in ("conc", "done", "errors", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms",
-                 "tok/s/req", "tok/s total", "req/s"):
-        t.add_column(name, justify="right")
+    t = Table(title=f"{title} (latencies in ms)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name in ("conc", "ok", "err", "TTFT\np50", "TTFT\np95", "ITL\np50", "ITL\np95", "tok/s\n/req",
+                 "tok/s\ntotal", "req/s"):
+        t.add_column(name, justify="right", no_wrap=True)
     for lv in levels:
         t.add_row(str(lv.concurrency), f"{lv.completed}/{lv.requests}",
                   f"[red]{lv.errors}[/]" if lv.errors else "0",
@@ -163,10 +164,14 @@ def history_table(runs: list[Run]) -> RenderableType:
     from rich.table import Table
 
     t = Table(title="saved benchmarks (newest first)", title_justify="left")
-    for name in ("id", "date", "kind", "model", "summary"):
-        t.add_column(name, overflow="fold")
+    t.add_column("id", no_wrap=True)
+    t.add_column("UTC", no_wrap=True)
+    t.add_column("kind", no_wrap=True)
+    t.add_column("model", overflow="ellipsis", max_width=20)
+    t.add_column("summary", overflow="fold", ratio=1)
     for run in runs:
-        t.add_row(run.id, run.created.replace("T", " ")[:19], run.kind, run.model, run.summary())
+        kind = "bench" if run.kind == "llama-bench" else run.kind
+        t.add_row(run.id, run.created.replace("T", " ")[5:16], kind, run.model, run.summary())
     return t
 
 

@@ -90,9 +90,13 @@ class Run(BaseModel):
             parts = [f"c{lv.concurrency}: {lv.output_tps_total or 0:.1f} tok/s"
                      + (f" ({lv.errors} errors)" if lv.errors else "") for lv in self.levels]
             return ", ".join(parts)
-        parts = [f"{r.mode} {r.test} {r.tps_mean:.1f}" for r in self.rows if r.tps_mean is not None]
+        tests = list(dict.fromkeys(r.test for r in self.rows))
+        modes = list(dict.fromkeys(r.mode for r in self.rows if r.tps_mean is not None))
+        tps = {(r.mode, r.test): r.tps_mean for r in self.rows}
+        parts = [f"{m} " + "/".join(f"{v:.1f}" if (v := tps.get((m, t))) is not None else "-" for t in tests)
+                 for m in modes]
         skipped = sorted({r.mode for r in self.rows if r.skipped_reason})
-        text = ", ".join(parts)
+        text = "/".join(tests) + " t/s: " + ", ".join(parts)
         if skipped:
             text += f" (skipped: {', '.join(skipped)})"
         return text
