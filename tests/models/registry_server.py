@@ -21,7 +21,8 @@ import numpy as np
 
 OLLAMA_MODEL = "application/vnd.ollama.image.model"
 
-def write_gguf(path: Path, *, name: str = "tiny", payload_kb: int = 256, chat_template: bool = True) -> Path:
+def write_gguf(path: Path, *, name: str = "tiny", payload_kb: int = 256, chat_template: bool = True,
+               file_type: bool = True) -> Path:
     """A small but complete llama-architecture GGUF (header, vocabulary, tensors)."""
     import gguf
 
@@ -32,7 +33,8 @@ def write_gguf(path: Path, *, name: str = "tiny", payload_kb: int = 256, chat_te
     writer.add_block_count(1)
     writer.add_feed_forward_length(32)
     writer.add_head_count(2)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if file_type:
+        writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     tokens = [f"tok{i}".encode() for i in range(32)]
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
