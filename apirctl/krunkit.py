@@ -202,8 +202,8 @@ class PatchPlan:
 
     @property
     def libkrun_name(self) -> str:
-        return self.libkrun_src.name if self.libkrun_src.name.startswith(LIBKRUN_PREFIX) \
-            else Path(self.libkrun_ref).name
+        """The leaf name krunkit asks for (Homebrew's file may be a versioned name behind symlinks)."""
+        return Path(self.libkrun_ref).name
 
     @property
     def new_libkrun_ref(self) -> str:
