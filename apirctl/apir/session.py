@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,13 +24,16 @@ from apirctl.apir.wire import Decoder
 
 
 class BackendCrashed(Exception):
-    """The child hosting the library died while running `call`."""
+    """The child hosting the library died (or hung and was killed) while running `call`."""
 
-    def __init__(self, call: str, returncode: int | None, stderr_tail: str) -> None:
+    def __init__(self, call: str, returncode: int | None, stderr_tail: str, timeout: float | None = None) -> None:
         self.call = call
         self.returncode = returncode
         self.stderr_tail = stderr_tail
-        super().__init__(f"the backend library crashed during {call} ({describe_exit(returncode)})")
+        self.timed_out = timeout is not None
+        why = f"no answer in {timeout:g} s, killed" if timeout is not None else describe_exit(returncode)
+        verb = "hung" if timeout is not None else "crashed"
+        super().__init__(f"the backend library {verb} during {call} ({why})")
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -47,6 +51,7 @@ class BackendProcess:
     """A child process holding one loaded backend library."""
 
     def __init__(self, timeout: float = 120.0) -> None:
+        """`timeout`: seconds one call may take before the child is considered hung and killed."""
         self.timeout = timeout
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ)
@@ -71,17 +76,28 @@ class BackendProcess:
 
     def _call(self, name: str, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
+        fired = threading.Event()
+
+        def kill() -> None:
+            fired.set()
+            self.proc.kill()
+
+        watchdog = threading.Timer(self.timeout, kill)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             write_frame(self.proc.stdin, header, payload)  # type: ignore[arg-type]
             frame = read_frame(self.proc.stdout)  # type: ignore[arg-type]
         except BrokenPipeError:
             frame = None
+        finally:
+            watchdog.cancel()
         if frame is None:
             try:
                 rc = self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 rc = None
-            raise BackendCrashed(name, rc, self.stderr_tail())
+            raise BackendCrashed(name, rc, self.stderr_tail(), self.timeout if fired.is_set() else None)
         head, body = frame
         if "error" in head:
             raise RuntimeError(f"{name}: {head['error']}")

@@ -168,3 +168,15 @@ def test_tensor_bytes_round_trip_through_the_real_library(backend_libs: Libs, da
         proc.shmem_write(res, bytes(t.nbytes))
         proc.call("buffer_get_tensor", buffer=t.buffer, tensor=t.to_rpc(), res_id=res, offset=0, size=t.nbytes)
         assert proc.shmem_read(res, t.nbytes) == payload
+
+
+def test_a_hung_call_is_killed_and_reported(backend_libs: Libs) -> None:
+    from apirctl.apir.session import BackendCrashed
+
+    with BackendProcess(timeout=2) as proc:
+        assert proc.initialize(*backend_libs) == 6
+        with pytest.raises(BackendCrashed) as info:
+            # 10^8 dispatches in one call: each costs a Python loop turn, so this never ends in 2 s.
+            proc.call("device_get_count", repeat=10**8)
+    assert info.value.timed_out and info.value.call == "device_get_count"
+    assert "hung" in str(info.value)
