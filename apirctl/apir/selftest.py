@@ -120,18 +120,19 @@ def resolve(library: Path | None, ggml_library: Path | None, reg: str | None) ->
 
 def run(library: Path | None = None, ggml_library: Path | None = None, reg: str | None = None,
         cheap_calls: int = 1000, graph_calls: int = 100, size: tuple[int, int, int] = (64, 32, 16),
-        tolerance: float | None = None, free_shared: bool = False,
+        tolerance: float | None = None, free_shared: bool = False, call_timeout: float = 120.0,
         progress: Progress | None = None) -> SelftestReport:
     """Run the selftest; never raises for a broken library (the report says what broke).
 
     `free_shared` also frees the shared-resource buffer and deinitializes, which crashes upstream's
     library when the GGML backend's host-pointer buffers have no free function (CPU does not):
-    off by default so that the selftest checks what works; on to reproduce the bug.
+    off by default so that the selftest checks what works; on to reproduce the bug. A call that
+    takes longer than `call_timeout` seconds counts as a hang: the child is killed and reported.
     """
     library, ggml_library, reg = resolve(library, ggml_library, reg)
     report = SelftestReport(ok=False, library=str(library), ggml_library=str(ggml_library), reg=reg)
     say = progress or (lambda _msg: None)
-    with BackendProcess() as proc:
+    with BackendProcess(timeout=call_timeout) as proc:
         try:
             _drive(proc, report, cheap_calls, graph_calls, size, tolerance, free_shared, say)
         except BackendCrashed as exc:
