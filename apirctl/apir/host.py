@@ -54,7 +54,6 @@ class Host:
             ctypes.c_uint32, ctypes.POINTER(Callbacks), ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p,
             ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]
         self.reply = ctypes.create_string_buffer(reply_size)
-        self.command = ctypes.create_string_buffer(protocol.COMMAND_BUFFER_SIZE)
 
     def _get_config(self, ctx_id: int, key: bytes | None) -> int | None:
         buf = self._config.get(key or b"")

@@ -14,7 +14,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -269,6 +269,3 @@ def _get(proc: BackendProcess, buffer: int, t: tensor.Tensor, staging: int) -> b
     proc.call("buffer_get_tensor", buffer=buffer, tensor=t.to_rpc(), res_id=staging, offset=0, size=t.nbytes)
     return proc.shmem_read(staging, t.nbytes)
 
-
-def summary(report: SelftestReport) -> dict[str, Any]:
-    return report.model_dump()

@@ -289,3 +289,15 @@ def test_cli_decode(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "cmd.bin").write_bytes(data[:-2])
     result = CliRunner().invoke(app, ["apir", "decode", f"@{tmp_path / 'cmd.bin'}"])
     assert result.exit_code != 0 and "cannot decode" in str(result.exception)
+
+
+def test_largest_inline_request_still_fits_the_command_buffer() -> None:
+    # get_alloc_size with a view source and all 10 sources: header + handle + 12 structs + buffer handle.
+    srcs = [tensor.Tensor((2,), name=f"s{i}") for i in range(tensor.MAX_SRC)]
+    op = tensor.Tensor((2,), op=tensor.OP_ADD, src=srcs, view_src=srcs[0], buffer=1, name="big")
+    enc = Encoder()
+    enc.raw(messages.encode_forward("buffer_type_get_alloc_size", reply_res_id=1, buft=2, op=op))
+    assert len(enc) == protocol.COMMAND_HEADER_SIZE + 8 + 12 * tensor.GGML_TENSOR_SIZE + 8 == 4060
+    assert enc.fits(protocol.COMMAND_BUFFER_SIZE)
+    enc.raw(bytes(40))
+    assert not enc.fits(protocol.COMMAND_BUFFER_SIZE)
