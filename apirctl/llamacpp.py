@@ -25,7 +25,7 @@ import tarfile
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 from pydantic import BaseModel
 
@@ -281,7 +281,7 @@ _NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
 _MAKE_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 
 
-def _run_logged(cmd: list[str], log, on_line: Callable[[str], None] | None = None) -> int:  # type: ignore[no-untyped-def]
+def _run_logged(cmd: list[str], log: TextIO, on_line: Callable[[str], None] | None = None) -> int:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)

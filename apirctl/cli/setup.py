@@ -23,7 +23,7 @@ def setup(
     from apirctl import config, provision
     from apirctl.cli.output import console, print_json
 
-    jobs = jobs or config.settings().build_jobs
+    jobs_wanted: int | None = jobs or config.settings().build_jobs
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
                TimeElapsedColumn())
     with Progress(*columns, console=console(), transient=False, disable=json_out) as bar:
@@ -39,7 +39,7 @@ def setup(
             if task is not None:
                 bar.update(task, completed=done, total=total)
 
-        result = provision.run(jobs=jobs, with_image=image, with_model=model, on_step=on_step,
+        result = provision.run(jobs=jobs_wanted, with_image=image, with_model=model, on_step=on_step,
                                progress=on_progress)
         if task is not None:
             bar.update(task, completed=bar.tasks[task].total)
