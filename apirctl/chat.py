@@ -562,11 +562,9 @@ class Session:
     def ask(self, text: str) -> Reply | None:
         """Send one user turn and stream the answer; the turn joins the history only if it succeeded."""
         self.messages.append({"role": "user", "content": text})
-        status: Status | None = self.console.status("[dim]waiting for the server…[/]", spinner="dots")
-        assert status is not None
-        status.start()
+        status: Status | None = None
         started = time.monotonic()
-        wrote = False
+        shown: list[str] = []
 
         def stop_spinner() -> None:
             nonlocal status
@@ -583,13 +581,14 @@ class Session:
                 status.update(f"[dim]thinking… {time.monotonic() - started:.0f} s[/]")
 
         def on_token(piece: str) -> None:
-            nonlocal wrote
             stop_spinner()
-            wrote = True
+            shown.append(piece)
             self.out.write(piece)
             self.out.flush()
 
         try:
+            status = self.console.status("[dim]waiting for the server…[/]", spinner="dots")
+            status.start()
             reply = self.client.stream(
                 self.messages,
                 on_token,
@@ -598,10 +597,12 @@ class Session:
                 on_loading=on_loading,
                 on_reasoning=on_reasoning,
             )
+        except KeyboardInterrupt:  # outside the stream itself (e.g. while the spinner started)
+            reply = Reply(content="".join(shown), interrupted=True)
         except ApirctlError as exc:
             stop_spinner()
             self.messages.pop()
-            if wrote:
+            if shown:
                 self.out.write("\n")
             self.console.print(f"[bold red]error:[/] {_escape(exc.message)}")
             if exc.hint:
@@ -648,7 +649,10 @@ class Session:
                     if not self.command(text):
                         break
                     continue
-                self.ask(text)
+                try:
+                    self.ask(text)
+                except KeyboardInterrupt:  # a second Ctrl-C while the first one was being handled
+                    self.out.write("\n")
         finally:
             editor.save()
 
