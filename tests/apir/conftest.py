@@ -56,14 +56,23 @@ def harness(virtgpu_src: Path, llama_build, tmp_path_factory: pytest.TempPathFac
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed to compile the conformance harness")
     source = HERE / "harness.cpp"
+    shim = HERE / "shim" / "ggml-remoting.h"
+    front = virtgpu_src / "apir_cs_ggml-rpc-front.cpp"
     ggml = virtgpu_src.parent.parent
     lib_dir = llama_build.library("ggml-virtgpu-backend").parent
-    key = hashlib.sha256(source.read_bytes() + str(ggml).encode() + str(lib_dir).encode()).hexdigest()[:12]
+    blob = source.read_bytes() + shim.read_bytes() + front.read_bytes() + str(ggml).encode() + str(lib_dir).encode()
+    key = hashlib.sha256(blob).hexdigest()[:12]
     binary = tmp_path_factory.getbasetemp() / f"apir-harness-{key}"
     if not binary.exists():
-        cmd = ["g++", "-std=c++17", "-O0", "-w", f"-I{ggml / 'include'}", f"-I{ggml / 'src'}",
-               f"-I{virtgpu_src}", f"-I{virtgpu_src / 'backend'}", str(source), "-o", str(binary) + ".tmp",
-               f"-L{lib_dir}", "-lggml-virtgpu-backend", "-lggml-base", f"-Wl,-rpath,{lib_dir}"]
+        # Upstream's frontend serializer is compiled from a copy placed next to the shim header, so that
+        # its `#include "ggml-remoting.h"` finds the shim instead of the device code.
+        work = tmp_path_factory.mktemp("apir-harness-build")
+        shutil.copy(shim, work / "ggml-remoting.h")
+        shutil.copy(front, work / front.name)
+        includes = [f"-I{ggml / 'include'}", f"-I{ggml / 'src'}", f"-I{virtgpu_src}", f"-I{virtgpu_src / 'backend'}"]
+        cmd = ["g++", "-std=c++17", "-O0", "-w", *includes, str(source), str(work / front.name),
+               "-o", str(binary) + ".tmp", f"-L{lib_dir}", "-lggml-virtgpu-backend", "-lggml-cpu", "-lggml-base",
+               f"-Wl,-rpath,{lib_dir}"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         Path(str(binary) + ".tmp").rename(binary)

@@ -16,6 +16,9 @@
 #include "shared/apir_cs_rpc.h"
 #include "shared/apir_cs_ggml.h"
 
+#include "ggml-alloc.h"
+#include "ggml-cpu.h"
+
 #include <cinttypes>
 #include <cstddef>
 #include <cstdio>
@@ -175,6 +178,47 @@ static void graph_cmd(std::istringstream & in) {
     std::cout << o.str() << "\n";
 }
 
+// The frontend serializer (compiled from upstream's apir_cs_ggml-rpc-front.cpp with shim/ggml-remoting.h)
+// asks this for a buffer's host handle and base.
+struct harness_buffer_context {
+    void *   base;
+    uint64_t host_handle;
+};
+
+harness_buffer_context * harness_context_of(ggml_backend_buffer_t buffer) {
+    static harness_buffer_context ctx;
+    ctx.base        = ggml_backend_buffer_get_base(buffer);
+    ctx.host_handle = 0xABCDEF000ULL;
+    return &ctx;
+}
+
+// frontgraph K M N: out = mul_mat(A[K,M], B[K,N]) + C[M,N], allocated in a CPU buffer in creation
+// order, serialized by upstream's frontend code.
+static void frontgraph_cmd(std::istringstream & in) {
+    int64_t k, m, n;
+    in >> k >> m >> n;
+    ggml_init_params params = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), NULL, true };
+    ggml_context * ctx = ggml_init(params);
+    ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, m);
+    ggml_tensor * b = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, n);
+    ggml_tensor * c = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m, n);
+    ggml_tensor * mm = ggml_mul_mat(ctx, a, b);
+    ggml_tensor * out = ggml_add(ctx, mm, c);
+    ggml_set_name(a, "A");
+    ggml_set_name(b, "B");
+    ggml_set_name(c, "C");
+    ggml_set_name(mm, "A*B");
+    ggml_set_name(out, "A*B+C");
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_cpu_buffer_type());
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    std::vector<uint8_t> bytes;
+    apir_serialize_graph(gf, bytes);
+    std::cout << hex((const char *) bytes.data(), bytes.size()) << "\n";
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
 #define OFF(T, f) "\"" #f "\":[" << offsetof(T, f) << "," << sizeof(((T *) 0)->f) << "]"
 
 int main() {
@@ -186,6 +230,7 @@ int main() {
         if (cmd == "enc") { in >> kind; if (enc_cmd(in, kind)) std::cout << "unknown\n"; }
         else if (cmd == "dec") { in >> kind; if (dec_cmd(in, kind)) std::cout << "unknown\n"; }
         else if (cmd == "graph") { graph_cmd(in); }
+        else if (cmd == "frontgraph") { frontgraph_cmd(in); }
         else if (cmd == "layout") {
             std::cout << "{\"apir_rpc_tensor\":{\"size\":" << sizeof(apir_rpc_tensor) << ","
                       << OFF(apir_rpc_tensor, id) << "," << OFF(apir_rpc_tensor, type) << ","

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from apirctl.apir import protocol, table, tensor
+from apirctl.apir.graph_check import matmul_add_case
 from apirctl.apir.wire import Decoder, Encoder
 
 pytestmark = pytest.mark.integration
@@ -193,3 +194,44 @@ def test_upstream_inline_buffer_handle_is_not_the_handle(harness) -> None:  # ty
     assert len(c_bytes) == 8
     assert int.from_bytes(c_bytes, "little") != handle
     assert _enc("handle", handle) == handle.to_bytes(8, "little").hex()  # ours sends the handle
+
+
+def _normalized(data: bytes) -> bytes:
+    """Ids renumbered by first appearance; bytes upstream leaves uninitialised (struct padding, the
+    name after its NUL) zeroed. What remains must be identical."""
+    g = tensor.deserialize_graph(data)
+    order: dict[int, int] = {}
+
+    def renum(i: int) -> int:
+        return 0 if i == 0 else order.setdefault(i, len(order) + 1)
+
+    for t in g.tensors:
+        t.id = renum(t.id)
+        t.src = [renum(s) for s in t.src]
+        t.view_src = renum(t.view_src)
+        t.name = t.name.split(b"\x00", 1)[0]
+    nodes = [renum(n) for n in g.nodes]
+    enc = Encoder()
+    enc.u32(len(nodes))
+    enc.u64_array(nodes)
+    enc.u32(len(g.tensors))
+    for t in g.tensors:
+        tensor.encode_rpc_tensor(enc, t)
+    return enc.getvalue()
+
+
+@SETTINGS
+@given(k=st.integers(1, 40), m=st.integers(1, 40), n=st.integers(1, 40))
+def test_graph_bytes_match_upstreams_frontend_serializer(harness, k: int, m: int, n: int) -> None:  # type: ignore[no-untyped-def]
+    upstream = bytes.fromhex(harness.ask(f"frontgraph {k} {m} {n}"))
+    case = matmul_add_case(k, m, n, align=32)
+    ours_tensors = [case.a, case.b, case.c, case.mm, case.out]
+    offset = 0
+    for t in ours_tensors:  # ggml-alloc places a context's tensors in creation order, aligned
+        t.offset = offset
+        offset += (t.nbytes + 31) // 32 * 32
+    case.place(0xABCDEF000)  # the shim's host handle
+    case.out.flags = 0  # the harness does not mark its output (ggml_set_output)
+    ours = tensor.Graph([case.mm, case.out]).serialize()
+    assert len(ours) == len(upstream)
+    assert _normalized(ours) == _normalized(upstream)
