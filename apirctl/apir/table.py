@@ -115,7 +115,8 @@ GROUPS: tuple[Group, ...] = (
                  request=(_f("res_id", Kind.RES_ID, "shared resource holding the buffer memory"),
                           _f("size", Kind.SIZE), _f("max_tensor_size", Kind.SIZE)),
                  reply=(_BUF, _BUFT), frontend_return="apir_buffer_context_t",
-                 frontend_params=("size_t size", "size_t max_tensor_size")),
+                 frontend_params=("size_t size", "size_t max_tensor_size"),
+                 shmem="resource `res_id` becomes the buffer's memory"),
     )),
     Group("buffer_type", "buffer-type", (
         Function("buffer_type", "get_name", "name of a buffer type", request=(_BUFT,),
@@ -126,7 +127,7 @@ GROUPS: tuple[Group, ...] = (
         Function("buffer_type", "get_max_size", "largest buffer (SIZE_MAX when unbounded)",
                  request=(_BUFT,), reply=(_f("max_size", Kind.SIZE),), frontend_return="size_t",
                  frontend_params=(_BUFT_P,)),
-        Function("buffer_type", "is_host", "deprecated: always answers false",
+        Function("buffer_type", "is_host", "always answers false",
                  reply=(_f("is_host", Kind.BOOL),), deprecated=True),
         Function("buffer_type", "alloc_buffer", "allocate a buffer in device memory",
                  request=(_BUFT, _f("size", Kind.SIZE)), reply=(_BUF,),
