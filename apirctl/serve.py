@@ -175,26 +175,24 @@ def check_port(host_ip: str, port: int) -> None:
 # --- model -------------------------------------------------------------------------------------
 
 
-def resolve_model(ref: str) -> tuple[Path, str]:
-    """The GGUF file for a model reference and a short display name.
+class ModelFile(BaseModel):
+    """The GGUF file to mount, the name it gets inside the container, and a short display name."""
 
-    Paths are used as they are; other references go through the model store
-    (`apirctl.models.resolve`), which fetches what is missing.
+    path: Path
+    filename: str
+    name: str
+
+
+def resolve_model(ref: str) -> ModelFile:
+    """Resolve a reference through the model store (which fetches what is missing).
+
+    Store blobs are named by digest, so the container sees the file under its original name.
     """
-    path = Path(ref).expanduser()
-    if path.exists() or ref.startswith(("/", "./", "../", "~")):
-        if not path.is_file():
-            raise ApirctlError(f"model file {path} does not exist" if not path.exists() else f"{path} is not a file")
-        return path.resolve(), path.stem
     from apirctl import models
 
-    resolve = getattr(models, "resolve", None)
-    if resolve is None:
-        raise ApirctlError(f"model {ref!r} not found", hint="give the path of a .gguf file")
-    found = resolve(ref)
-    found_path = Path(getattr(found, "path", found))
-    name = getattr(found, "name", None) or ref
-    return found_path.resolve(), str(name)
+    found = models.resolve(ref, pull=True, quiet=True)
+    name = Path(found.filename).stem if found.source == "file" else found.name
+    return ModelFile(path=found.path, filename=found.filename, name=name)
 
 
 def _slug(text: str) -> str:
@@ -410,21 +408,22 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
         if progress:
             progress(name)
 
-    model_path, model_name = resolve_model(opts.model)
     check_port(opts.host_ip, opts.port)
     plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port)
     _one_virtgpu_at_a_time(plan)
-    name = _pick_name(opts, model_name)
+    phase("model")
+    model = resolve_model(opts.model)
+    name = _pick_name(opts, model.name)
 
     phase("image")
     image_ref = _image_for(opts, plan, progress)
     spec = ContainerSpec(
         image=image_ref,
         name=name,
-        command=_llama_command(opts, model_path.name, model_name),
+        command=_llama_command(opts, model.filename, model.name),
         entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"],
-        labels=_labels(opts, plan, model_path, model_name),
-        mounts=[BindMount(source=model_path, target=f"{MODELS_DIR}/{model_path.name}", read_only=True)],
+        labels=_labels(opts, plan, model.path, model.name),
+        mounts=[BindMount(source=model.path, target=f"{MODELS_DIR}/{model.filename}", read_only=True)],
         ports={CONTAINER_PORT: (opts.host_ip, opts.port)},
     )
     spec = plan.apply(spec)

@@ -69,7 +69,7 @@ def serve(
         tasks: list[Any] = []
 
         def on_phase(text: str) -> None:
-            if text not in ("image", "container", "loading model", "ready"):
+            if text not in ("model", "image", "container", "loading model", "ready"):
                 if tasks:  # a pull status line
                     bar.update(tasks[-1], description=f"image: {text[:70]}")
                 return

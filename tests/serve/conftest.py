@@ -1,0 +1,88 @@
+"""Fixtures for the serve tests: one real Podman service per session, free ports, cleanup.
+
+Tests run the real CLI (`python -m apirctl`) against real podman, the real image and the demo
+model. Names and ports are unique per test, so other suites running beside these are safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Podman API for the whole session, found or started by apirctl's engine in its own home."""
+    from apirctl import engine
+
+    saved = os.environ.get("APIRCTL_HOME")
+    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
+    try:
+        url = engine.discover().url
+        yield url
+        engine.stop_service()
+    finally:
+        if saved is None:
+            os.environ.pop("APIRCTL_HOME", None)
+        else:
+            os.environ["APIRCTL_HOME"] = saved
+
+
+@pytest.fixture
+def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("CONTAINER_HOST", podman_url)
+    return podman_url
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+def container_exists(name: str) -> bool:
+    from apirctl import engine
+
+    return bool(engine.client().containers.exists(name))
+
+
+@pytest.fixture
+def name(podman: str) -> Iterator[str]:
+    """A unique server name; whatever test made it, the container is removed afterwards."""
+    from podman.errors import NotFound
+
+    from apirctl import engine
+
+    value = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    yield value
+    with contextlib.suppress(NotFound):
+        engine.client().containers.get(value).remove(force=True)
+
+
+def apirctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the real CLI in a child process with the test's environment."""
+    return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+@pytest.fixture
+def served(podman: str, llama_image: str, demo_model: Path, name: str, port: int) -> dict[str, object]:
+    """A running demo-model server (transport none), as `apirctl serve --json` printed it."""
+    import json
+
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name, "--json")
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout))

@@ -1,0 +1,167 @@
+"""serve, ps, logs, stop for real: podman, the local llama.cpp image and the demo model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.serve.conftest import apirctl, container_exists, free_port
+
+pytestmark = pytest.mark.integration
+
+OUR_LABELS = ("apirctl.version", "apirctl.model", "apirctl.transport")
+UPSTREAM_LABELS = ("llama-cpp.apir", "api", "ai-lab-inference-server", "gpu", "trackingId", "docs")
+
+
+def _one_line_error(stderr: str) -> str:
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("apirctl: error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def test_serve_answers_and_ps_logs_stop(served: dict[str, object], name: str, port: int) -> None:
+    from apirctl import engine
+
+    url = f"http://127.0.0.1:{port}/v1"
+    assert served["name"] == name and served["url"] == url and served["health"] == "ok"
+    assert [p["name"] for p in served["phases"]] == ["model", "image", "container", "loading model"]  # type: ignore[index, union-attr]
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok"
+    answer = httpx.post(f"{url}/chat/completions", timeout=120,
+                        json={"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"].strip()
+
+    ps = apirctl("ps", "--json")
+    assert ps.returncode == 0, ps.stderr
+    row = next(s for s in json.loads(ps.stdout) if s["name"] == name)
+    assert (row["url"], row["transport"], row["state"], row["health"], row["port"]) == (url, "none", "running", "ok", port)
+    plain = apirctl("ps")
+    assert name in plain.stdout and url in plain.stdout
+
+    container = engine.client().containers.get(name)
+    labels = container.labels
+    for key in OUR_LABELS + UPSTREAM_LABELS:
+        assert key in labels, key
+    assert labels["api"] == url and labels["apirctl.transport"] == "none"
+    assert labels["llama-cpp.apir"] == "false"  # only a virtgpu server is an API-remoting one
+    assert json.loads(labels["ai-lab-inference-server"])
+    bindings = container.attrs["HostConfig"]["PortBindings"]["8000/tcp"]
+    assert bindings == [{"HostIp": "127.0.0.1", "HostPort": str(port)}]  # loopback only
+
+    logs = apirctl("logs", name, "--tail", "5")
+    assert logs.returncode == 0 and 0 < len(logs.stdout.splitlines()) <= 5
+
+    stop = apirctl("stop", name, "--json")
+    assert stop.returncode == 0, stop.stderr
+    assert json.loads(stop.stdout) == {"stopped": [name]}
+    assert not container_exists(name)
+
+
+def test_second_serve_on_the_same_port_fails_cleanly(served: dict[str, object], demo_model: Path, port: int) -> None:
+    other = f"{served['name']}-2"
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", other)
+    assert done.returncode != 0
+    line = _one_line_error(done.stderr)
+    assert f"port {port}" in line and "in use" in line and str(served["name"]) in line
+    assert not container_exists(other)
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200  # the first one lives on
+
+
+def test_bad_llama_server_flag_shows_log_tail_and_cleans_up(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
+                   "--", "--no-such-flag")
+    assert done.returncode == 1
+    assert "--no-such-flag" in done.stderr.split("apirctl: error:")[0]  # llama-server's own words, first
+    assert "exited" in _one_line_error(done.stderr)
+    assert not container_exists(name)
+
+
+def test_corrupt_gguf_shows_log_tail(podman: str, llama_image: str, tmp_path: Path, name: str, port: int) -> None:
+    model = tmp_path / "broken.gguf"
+    model.write_bytes(b"GGUF" + os.urandom(4096))  # right magic, garbage after it: llama.cpp must refuse
+    done = apirctl("serve", str(model), "--transport", "none", "--port", str(port), "--name", name)
+    assert done.returncode == 1
+    assert "failed to load model" in done.stderr
+    _one_line_error(done.stderr)
+    assert not container_exists(name)
+
+
+def test_non_gguf_file_is_refused_before_any_container(podman: str, tmp_path: Path, name: str, port: int) -> None:
+    model = tmp_path / "notes.gguf"
+    model.write_text("this is not a model\n")
+    done = apirctl("serve", str(model), "--transport", "none", "--port", str(port), "--name", name)
+    assert done.returncode != 0
+    assert "not a GGUF file" in _one_line_error(done.stderr)
+    assert not container_exists(name)
+
+
+@pytest.mark.parametrize("bad_port", ["80", "70000"])
+def test_bad_port_is_refused(podman: str, demo_model: Path, name: str, bad_port: str) -> None:
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", bad_port, "--name", name)
+    assert done.returncode != 0
+    assert "port" in _one_line_error(done.stderr)
+    assert not container_exists(name)
+
+
+def test_missing_model_is_refused(podman: str, tmp_path: Path, name: str) -> None:
+    done = apirctl("serve", str(tmp_path / "absent.gguf"), "--transport", "none", "--port", str(free_port()),
+                   "--name", name)
+    assert done.returncode != 0
+    assert "absent.gguf" in _one_line_error(done.stderr)
+
+
+def test_virtgpu_on_linux_says_what_to_use(podman: str, demo_model: Path, name: str, port: int) -> None:
+    done = apirctl("serve", str(demo_model), "--transport", "virtgpu", "--port", str(port), "--name", name)
+    assert done.returncode != 0
+    assert "macOS" in _one_line_error(done.stderr)
+    assert "--transport rpc" in done.stderr
+    assert not container_exists(name)
+
+
+def test_keep_leaves_the_failed_container_for_inspection(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
+                   "--keep", "--", "--no-such-flag")
+    assert done.returncode == 1
+    ps = json.loads(apirctl("ps", "--all", "--json").stdout)
+    row = next(s for s in ps if s["name"] == name)
+    assert row["state"] == "exited" and row["health"] == "-"
+    assert name not in [s["name"] for s in json.loads(apirctl("ps", "--json").stdout)]
+    logs = apirctl("logs", name)
+    assert "--no-such-flag" in logs.stdout
+    assert apirctl("stop", name).returncode == 0
+    assert not container_exists(name)
+
+
+def test_stop_unknown_name_fails(podman: str) -> None:
+    done = apirctl("stop", "no-such-server-here")
+    assert done.returncode == 1
+    assert "no-such-server-here" in _one_line_error(done.stderr)
+
+
+def test_foreground_ctrl_c_stops_and_removes(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    import sys
+
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "apirctl", "serve", str(demo_model), "--transport", "none",
+                                           "--port", str(port), "--name", name, "--foreground"],
+                          env=dict(os.environ), timeout=180, encoding="utf-8")
+    child.expect("following the server's log")
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,
+               json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    child.expect("eval time")  # the request's timings show up in the followed log
+    child.sendintr()
+    child.expect(f"stopped {name}")
+    child.expect(pexpect.EOF)
+    assert not container_exists(name)
