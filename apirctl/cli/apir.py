@@ -14,16 +14,16 @@ app = typer.Typer(
 )
 
 
-@app.command()
+@app.command(
+    help="Write apir_backend.gen.h, virtgpu-forward.gen.h and backend-dispatched.gen.h from apirctl's table.\n\n"
+    "These are the headers upstream generates from its YAML; `apirctl apir check` compares them with the pinned "
+    "llama.cpp source."
+)
 def generate(
     out: Annotated[Path, typer.Option("--out", help="Directory to write the three headers to (created if missing).")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the written paths as JSON.")] = False,
 ) -> None:
-    """Write apir_backend.gen.h, virtgpu-forward.gen.h and backend-dispatched.gen.h from apirctl's table.
-
-    These are the headers upstream generates from its YAML; `apirctl apir check` compares them with
-    the pinned llama.cpp source.
-    """
+    """Write apir_backend.gen.h, virtgpu-forward.gen.h and backend-dispatched.gen.h from apirctl's table."""
     from apirctl.apir import headers
     from apirctl.cli.output import console, print_json
     from apirctl.errors import ApirctlError
@@ -41,17 +41,17 @@ def generate(
             console().print(f"wrote {p}")
 
 
-@app.command()
+@app.command(
+    help="Compare our generated headers with a llama.cpp tree's: enum values, command names, prototypes.\n\n"
+    "Exits 1 when they differ, so a newer upstream that changed the protocol is caught."
+)
 def check(
     source: Annotated[
         Path | None, typer.Option("--source", help="A llama.cpp tree (default: the pinned source apirctl builds).")
     ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the differences as JSON.")] = False,
 ) -> None:
-    """Compare our generated headers with a llama.cpp tree's: enum values, command names, prototypes.
-
-    Exits 1 when they differ, so a newer upstream that changed the protocol is caught.
-    """
+    """Compare our generated headers with a llama.cpp tree's: enum values, command names, prototypes."""
     from apirctl.apir import headers
     from apirctl.cli.output import console, print_json
     from apirctl.errors import ApirctlError
@@ -116,16 +116,16 @@ def show_table(
     console().print(t)
 
 
-@app.command()
+@app.command(
+    help="Decode one APIR command (header and request fields), e.g. from a capture or a log.\n\n"
+    "Example: `apirctl apir decode 020000001400000009000000010000000000000007000000` is a FORWARD of "
+    "buffer_clear (buffer 1, value 7) answered in resource 9."
+)
 def decode(
     data: Annotated[str, typer.Argument(help="The command as hex, or @FILE for raw bytes from a file.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print the decoded fields as JSON.")] = False,
 ) -> None:
-    """Decode one APIR command (header and request fields), e.g. from a capture or a log.
-
-    Example: `apirctl apir decode 020000001400000009000000010000000000000007000000`
-    (FORWARD buffer_clear of buffer 1 with value 7, reply in resource 9).
-    """
+    """Decode one APIR command (header and request fields), e.g. from a capture or a log."""
     from apirctl.apir import messages
     from apirctl.apir.wire import ApirDecodeError
     from apirctl.cli.output import print_json

@@ -10,7 +10,14 @@ import typer
 app = typer.Typer(help="Test the host API-remoting backend library (libggml-virtgpu-backend).", no_args_is_help=True)
 
 
-@app.command()
+@app.command(
+    help="Load the backend library in a child process and drive it through the APIR protocol.\n\n"
+    "It stands in for virglrenderer: device and buffer queries, a buffer in shared memory, tensor upload and "
+    "download, a matrix product plus add checked against numpy, and the latency (median, p99) of a cheap call and "
+    "of the graph compute. If the library crashes, the report names the call that crashed it. Exits 1 when "
+    "anything failed.\n\n"
+    "On a GPU host: `apirctl backend selftest --ggml-library .../libggml-cuda.so --reg ggml_backend_cuda_reg --json`."
+)
 def selftest(
     library: Annotated[
         Path | None, typer.Option("--library", help="The backend library (default: the one `apirctl setup` built).")
@@ -38,13 +45,7 @@ def selftest(
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
 ) -> None:
-    """Load the backend library in a child process and drive it through the APIR protocol.
-
-    It stands in for virglrenderer: device and buffer queries, a buffer in shared memory, tensor upload
-    and download, a matrix product plus add checked against numpy, and latencies (median, p99) of a
-    cheap call and of the graph compute. If the library crashes, the report names the call that
-    crashed it. Exits 1 when anything failed.
-    """
+    """Load the backend library in a child process and drive it through the APIR protocol."""
     from apirctl.apir import selftest as st
     from apirctl.cli.output import console, err_console, print_json
 
@@ -107,7 +108,11 @@ def _print(report: object, out: object) -> None:
     out.print("[green]selftest passed[/]" if report.ok else "[red]selftest failed[/]")
 
 
-@app.command()
+@app.command(
+    help="Send malformed commands to the backend library and record which it rejects and which crash it.\n\n"
+    "Each probe runs in its own child process, so crashes are results, not failures: the command exits 0 when "
+    "every outcome matches what the pinned upstream version does on CPU (see docs/apir.md), 1 otherwise."
+)
 def probe(
     library: Annotated[
         Path | None, typer.Option("--library", help="The backend library (default: the host build's).")
@@ -117,11 +122,7 @@ def probe(
     only: Annotated[list[str] | None, typer.Option("--only", help="Run only this probe (repeatable).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
 ) -> None:
-    """Send malformed commands to the backend library and record which it rejects and which crash it.
-
-    Each probe runs in its own child process, so crashes are results, not failures: the command exits 0
-    when every outcome matches what the pinned upstream version does (see docs/apir.md), 1 otherwise.
-    """
+    """Send malformed commands to the backend library and record which it rejects and which crash it."""
     from apirctl.apir import probes
     from apirctl.apir import selftest as st
     from apirctl.cli.output import console, err_console, print_json
