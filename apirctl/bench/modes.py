@@ -175,8 +175,27 @@ def run_remoting(ctx: Context) -> ModeOutcome:
         step = (status.next_step if status else None) or "start one with `apirctl machine restart --remoting`"
         raise Skipped(f"remoting is not ready: {why} ({step})")
     ctx.facts["transport"] = plan.transport
+    # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
+    plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
     results = _run_in_container(ctx, "remoting", [], plan)
     return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport))
+
+
+def without_flag(args: Sequence[str], names: tuple[str, ...]) -> list[str]:
+    """`args` without the given flags and their values (`--flag V` and `--flag=V`)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+            continue
+        if arg in names:
+            skip = True
+            continue
+        if any(arg.startswith(name + "=") for name in names):
+            continue
+        out.append(arg)
+    return out
 
 
 RUNNERS: dict[str, Callable[[Context], ModeOutcome]] = {

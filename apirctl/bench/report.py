@@ -226,15 +226,15 @@ def plot(run: Run, path: Path) -> Path:
         errors = [r.tps_std or 0.0 for r in group]
         bars_ = ax.bar(names, values, yerr=errors, capsize=4,
                        color=[colours.get(n, "#8172b2") for n in names])
-        top = max(values) if any(values) else 1.0
-        for bar, r in zip(bars_, group, strict=True):
+        top = max((v + e for v, e in zip(values, errors, strict=True)), default=0.0) or 1.0
+        for bar, r, err in zip(bars_, group, errors, strict=True):
             label = "n/a" if r.tps_mean is None else (
                 f"{r.ratio_to_native:.0%}" if r.ratio_to_native is not None else f"{r.tps_mean:.1f}")
-            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + top * 0.03, label,
+            ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height() + err + top * 0.02, label,
                     ha="center", va="bottom", fontsize=9)
         ax.set_title(test)
         ax.set_ylabel("tokens/s")
-        ax.set_ylim(0, top * 1.25)
+        ax.set_ylim(0, top * 1.15)
     fig.suptitle(f"{run.model} ({run.system.host_backend or 'host'} native)", fontsize=11)
     fig.tight_layout()
     try:

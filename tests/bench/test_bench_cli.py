@@ -157,3 +157,37 @@ def test_history_and_compare_on_an_empty_history() -> None:
     proc = run_cli("bench", "history", "--json")
     assert proc.returncode == 0 and json.loads(proc.stdout) == []
     one_line_error(run_cli("bench", "compare", "20260101", "20260102"), "no saved benchmark")
+
+
+@pytest.mark.integration
+def test_remoting_wiring_reaches_a_loopback_rpc_backend(
+    llama_build: Any, demo_model: Path, llama_image: str, podman: str, tmp_path: Path
+) -> None:
+    """The remoting mode's container (rpc plan) runs llama-bench on a real ggml-rpc-server bound to 127.0.0.1.
+
+    `apirctl machine restart --remoting` owns that server in real use; here the test starts it, so
+    this checks bench's half: the plan applied to the one-shot container and one test per size.
+    """
+    from bench_helpers import free_port
+
+    from apirctl import transport
+    from apirctl.bench import modes
+    from apirctl.bench.llamabench import Params
+
+    port = free_port()
+    log = tmp_path / "rpc.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    try:
+        params = Params(pp=32, tg=8, reps=1, threads=2)
+        ctx = modes.Context(model_path=demo_model, params=params, filename=demo_model.name)
+        plan = transport.rpc_plan(port, params.ngl)
+        plan = plan.model_copy(update={"llama_args": modes.without_flag(plan.llama_args, ("--n-gpu-layers",))})
+        found = modes._run_in_container(ctx, "remoting", [], plan)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert [r.test for r in found] == params.tests()
+    assert all(r.backends == "RPC" and r.tps_mean > 0 for r in found)
+    assert all(f":{port}" in str(r.raw.get("gpu_info")) for r in found)

@@ -238,3 +238,14 @@ def test_percentiles_are_ordered_and_bounded(values: list[float]) -> None:
 
 def test_prompt_grows_with_the_requested_length() -> None:
     assert len(load.prompt_text(400).split()) > len(load.prompt_text(100).split()) > 50
+
+
+def test_remoting_keeps_one_gpu_layers_flag() -> None:
+    """llama-bench runs one test per value of a repeated flag, so the plan's copy must go."""
+    from apirctl import transport
+
+    plan = transport.rpc_plan(50052, 999)
+    kept = modes.without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))
+    assert "--n-gpu-layers" not in kept and "-ngl" not in kept
+    assert kept[kept.index("--rpc") + 1].endswith(":50052")
+    assert modes.without_flag(["-ngl=5", "-x", "1"], ("-ngl",)) == ["-x", "1"]
