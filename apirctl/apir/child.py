@@ -78,8 +78,10 @@ def serve(inp: BinaryIO, out: BinaryIO) -> None:
             if host is None:
                 raise RuntimeError("load the library first")
             if op == "dispatch":
-                ret, reply, times = host.dispatch(int(req["cmd"]), payload, int(req.get("repeat", 1)))
-                write_frame(out, {"ret": ret, "times_ns": times}, reply)
+                limit = req.get("reply_limit")
+                ret, reply, times, overrun = host.dispatch(int(req["cmd"]), payload, int(req.get("repeat", 1)),
+                                                           None if limit is None else int(limit))
+                write_frame(out, {"ret": ret, "times_ns": times, "overrun": overrun}, reply)
             elif op == "shmem_alloc":
                 host.shmem_alloc(int(req["res_id"]), int(req["size"]))
                 write_frame(out, {})

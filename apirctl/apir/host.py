@@ -85,17 +85,23 @@ class Host:
     def deinit(self) -> None:
         self.lib.apir_backend_deinit(self.ctx_id)
 
-    def dispatch(self, cmd_type: int, request: bytes, repeat: int = 1) -> tuple[int, bytes, list[int]]:
-        """Call the dispatcher `repeat` times with `request`; (return code, reply bytes, ns per call).
+    def dispatch(self, cmd_type: int, request: bytes, repeat: int = 1, reply_limit: int | None = None,
+                 ) -> tuple[int, bytes, list[int], int]:
+        """Call the dispatcher `repeat` times with `request`.
 
-        The request is copied into a command buffer exactly its size, so the library sees the
-        same end pointer the real system would give it.
+        Returns (return code, reply bytes, ns per call, overrun). The request is copied into a command
+        buffer exactly its size, so the library sees the end pointer the real system would give it.
+        `reply_limit` shrinks the reply area the library is told about; the bytes after it are filled
+        with a canary, and `overrun` counts those the library wrote over anyway.
         """
         cmd = ctypes.create_string_buffer(request, max(len(request), 1))
         start = ctypes.addressof(cmd)
         end = start + len(request)
         rstart = ctypes.addressof(self.reply)
-        rend = rstart + len(self.reply)
+        limit = len(self.reply) if reply_limit is None else min(reply_limit, len(self.reply) // 2)
+        rend = rstart + limit
+        if reply_limit is not None:
+            ctypes.memset(rstart, _CANARY, len(self.reply))
         after = ctypes.c_void_p(0)
         times: list[int] = []
         ret = 0
@@ -106,6 +112,12 @@ class Host:
                                                    start, end, rstart, rend, ctypes.byref(after))
             times.append(time.perf_counter_ns() - t0)
         used = (after.value or rstart) - rstart
-        if not 0 <= used <= len(self.reply):
-            used = 0
-        return int(ret), self.reply.raw[:used], times
+        overrun = 0
+        if reply_limit is not None:
+            changed = [i for i, b in enumerate(self.reply.raw[limit:]) if b != _CANARY]
+            overrun = max(changed[-1] + 1 if changed else 0, used - limit)
+        used = max(0, min(used, limit))
+        return int(ret), self.reply.raw[:used], times, overrun
+
+
+_CANARY = 0xCC

@@ -113,6 +113,12 @@ def p_get_base_empty(ctx: Ctx) -> None:
     _send(ctx, "buffer_get_base", b"")
 
 
+def p_reply_too_small(ctx: Ctx) -> None:
+    # The reply resource is sized by the guest; the host's encoder has no bounds check in release builds.
+    ret, _, _, overrun = ctx.proc.dispatch_limited(table.by_name("device_get_description").index, b"", reply_limit=4)
+    raise Sent(ret, f"wrote {overrun} bytes past a 4-byte reply area" if overrun else "stayed inside the reply area")
+
+
 def p_buft_unknown_handle(ctx: Ctx) -> None:
     _send(ctx, "buffer_type_get_name", messages.encode_request("buffer_type_get_name", buft=0xDEADBEEF000))
 
@@ -256,6 +262,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("free-shared-buffer", "buffer_free_buffer on a buffer made by device_buffer_from_ptr",
           p_free_shared, "crashed"),
     Probe("get-base-empty", "buffer_get_base with an empty request", p_get_base_empty, "rejected"),
+    Probe("reply-too-small", "device_get_description answered into a 4-byte reply area", p_reply_too_small,
+          "accepted"),
     Probe("buffer-type-unknown-handle", "buffer_type_get_name with a handle never given out",
           p_buft_unknown_handle, "crashed"),
     Probe("buffer-type-empty", "buffer_type_get_alignment with an empty request (handle reads as 0)",

@@ -142,10 +142,19 @@ class BackendProcess:
     def dispatch_raw(self, cmd: int, request: bytes, repeat: int = 1, name: str | None = None,
                      ) -> tuple[int, bytes, list[int]]:
         """Send any bytes as any command index: (dispatcher return code, reply bytes, ns per call)."""
+        ret, body, times, _ = self.dispatch_limited(cmd, request, repeat=repeat, name=name)
+        return ret, body, times
+
+    def dispatch_limited(self, cmd: int, request: bytes, reply_limit: int | None = None, repeat: int = 1,
+                         name: str | None = None) -> tuple[int, bytes, list[int], int]:
+        """Like `dispatch_raw`, with a reply area of `reply_limit` bytes; also how far the library wrote past it."""
         label = name or (table.by_index(cmd).qualname if 0 <= cmd < table.dispatch_table_count()
                          else f"command {cmd}")
-        head, body = self._call(label, {"op": "dispatch", "cmd": cmd, "repeat": repeat}, request)
-        return int(head["ret"]), body, [int(t) for t in head["times_ns"]]
+        header: dict[str, Any] = {"op": "dispatch", "cmd": cmd, "repeat": repeat}
+        if reply_limit is not None:
+            header["reply_limit"] = reply_limit
+        head, body = self._call(label, header, request)
+        return int(head["ret"]), body, [int(t) for t in head["times_ns"]], int(head.get("overrun", 0))
 
     def call(self, fn: table.Function | str, repeat: int = 1, **values: Any,
              ) -> tuple[dict[str, Any], list[int]]:

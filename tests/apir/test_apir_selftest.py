@@ -180,3 +180,16 @@ def test_a_hung_call_is_killed_and_reported(backend_libs: Libs) -> None:
             proc.call("device_get_count", repeat=10**8)
     assert info.value.timed_out and info.value.call == "device_get_count"
     assert "hung" in str(info.value)
+
+
+def test_reply_overrun_is_measured(backend_libs: Libs) -> None:
+    # Finding (docs/apir.md): the host writes a reply past the reply area it was given.
+    with BackendProcess() as proc:
+        assert proc.initialize(*backend_libs) == 6
+        name = proc.call("device_get_description")[0]["description"]
+        fn = probes.table.by_name("device_get_description")
+        ret, _, _, overrun = proc.dispatch_limited(fn.index, b"", reply_limit=4)
+        assert ret == 0
+        assert overrun == 8 + (len(name.encode()) + 1 + 3) // 4 * 4 - 4  # length + padded text, minus the 4 allowed
+        ret, reply, _, overrun = proc.dispatch_limited(fn.index, b"", reply_limit=1024)
+        assert overrun == 0 and len(reply) == 8 + (len(name.encode()) + 1 + 3) // 4 * 4
