@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apirctl.apir import probes, selftest
+from apirctl.apir import probes, selftest, table
 from apirctl.apir.session import BackendProcess
 from apirctl.errors import ApirctlError
 
@@ -187,7 +187,7 @@ def test_reply_overrun_is_measured(backend_libs: Libs) -> None:
     with BackendProcess() as proc:
         assert proc.initialize(*backend_libs) == 6
         name = proc.call("device_get_description")[0]["description"]
-        fn = probes.table.by_name("device_get_description")
+        fn = table.by_name("device_get_description")
         ret, _, _, overrun = proc.dispatch_limited(fn.index, b"", reply_limit=4)
         assert ret == 0
         assert overrun == 8 + (len(name.encode()) + 1 + 3) // 4 * 4 - 4  # length + padded text, minus the 4 allowed
