@@ -280,13 +280,8 @@ def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = Non
     )
 
 
-def running_server_url() -> str:
-    """The API address of the running apirctl inference server (the newest, if several)."""
+def running_server_url(name: str | None = None) -> str:
+    """The API address of an apirctl inference server: the one named, else the only one running."""
     from apirctl import serve
 
-    servers = [s for s in serve.list_servers(probe_health=False) if s.state == "running"]
-    if not servers:
-        raise ApirctlError("no running apirctl server to benchmark",
-                           hint="start one with `apirctl serve MODEL`, or pass --url URL")
-    servers.sort(key=lambda s: s.created.timestamp() if s.created else 0.0)
-    return servers[-1].url
+    return serve.find_server(name).url

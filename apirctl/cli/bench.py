@@ -66,6 +66,7 @@ def bench(
     save: bool = typer.Option(True, "--save/--no-save", help="Save the results to the history."),
     url: str = typer.Option(None, "--url", help="Serving load against this OpenAI-compatible endpoint."),
     serving: bool = typer.Option(False, "--serving", help="Serving load against the running apirctl server."),
+    server: str = typer.Option(None, "--server", help="Serving load against this apirctl server (name or id)."),
     concurrency: str = typer.Option("1,4", "--concurrency", "-c", help="Serving: concurrency levels, e.g. 1,4,8."),
     requests: int = typer.Option(8, "--requests", "-n", help="Serving: requests per concurrency level."),
     prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Serving: approximate prompt length."),
@@ -80,12 +81,12 @@ def bench(
     output = report.check_format("json" if json_ else fmt)
     if plot is not None:
         report.require_matplotlib()
-    if url or serving:
+    if url or serving or server:
         if plot is not None:
             from apirctl.errors import ApirctlError
 
             raise ApirctlError("--plot draws llama-bench runs; serving results are tables only")
-        _serving(url, model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit)
+        _serving(url, server, model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit)
         return
     _llama_bench(model, modes, pp, tg, reps, ngl, threads, output, Path(plot) if plot else None, save)
 
@@ -134,14 +135,14 @@ def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl
         raise ApirctlError("; ".join(outcome.failures))
 
 
-def _serving(url: str | None, model: str | None, output: str, save: bool, concurrency: str, requests: int,
-             prompt_tokens: int, max_tokens: int, time_limit: float) -> None:
+def _serving(url: str | None, server: str | None, model: str | None, output: str, save: bool, concurrency: str,
+             requests: int, prompt_tokens: int, max_tokens: int, time_limit: float) -> None:
     from apirctl.bench import load, results
 
     params = load.LoadParams(concurrency=load.parse_concurrency(concurrency), requests=requests,
                              prompt_tokens=prompt_tokens, max_tokens=max_tokens, time_limit=time_limit)
     params.validate()
-    target = url or load.running_server_url()
+    target = url or load.running_server_url(server)
     with _progress() as progress:
         task = progress.add_task("connecting", total=len(params.concurrency) * params.requests)
 

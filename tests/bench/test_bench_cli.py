@@ -191,3 +191,29 @@ def test_remoting_wiring_reaches_a_loopback_rpc_backend(
     assert [r.test for r in found] == params.tests()
     assert all(r.backends == "RPC" and r.tps_mean > 0 for r in found)
     assert all(f":{port}" in str(r.raw.get("gpu_info")) for r in found)
+
+
+@pytest.mark.integration
+def test_serving_load_against_an_apirctl_server(
+    podman: str, llama_image: str, demo_model: Path, tmp_path: Path
+) -> None:
+    """`apirctl serve` then `apirctl bench --server NAME`: the served container, found by its labels."""
+    import uuid
+
+    name = f"apirctl-bench-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    served = run_cli("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name, "--json",
+                     timeout=600)
+    try:
+        assert served.returncode == 0, served.stderr
+        proc = run_cli("bench", "--server", name, "--concurrency", "1,4", "--requests", "4", "--prompt-tokens",
+                       "32", "--max-tokens", "8", "--json", "--no-save")
+        assert proc.returncode == 0, proc.stderr
+        data = json.loads(proc.stdout)
+        assert data["params"]["url"] == f"http://127.0.0.1:{port}"
+        for lv in data["levels"]:
+            assert lv["errors"] == 0, lv["error_sample"]
+            assert lv["completed"] == 4 and lv["ttft_p50_ms"] > 0 and lv["output_tps_total"] > 0
+    finally:
+        run_cli("stop", name)
+    one_line_error(run_cli("bench", "--server", name, "--requests", "1"), name)
