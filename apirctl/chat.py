@@ -30,7 +30,6 @@ if TYPE_CHECKING:
 Message = dict[str, str]
 
 POLL_INTERVAL = 0.2  # seconds between retries while the server answers 503
-DEFAULT_LOAD_TIMEOUT = 300.0
 HISTORY_LENGTH = 1000
 
 
@@ -199,18 +198,36 @@ class ChatClient:
         base_url: str,
         model: str | None = None,
         api_key: str | None = None,
-        load_timeout: float = DEFAULT_LOAD_TIMEOUT,
+        load_timeout: float | None = None,
         read_timeout: float | None = 600.0,
     ) -> None:
         self.base_url = normalize_base_url(base_url)
         self.model = model
-        self.load_timeout = load_timeout
+        self._load_timeout = load_timeout
         headers = {"Accept": "text/event-stream, application/json"}
         if api_key:
             headers["Authorization"] = f"Bearer {api_key}"
+        # No TLS context for plain-http servers (the usual loopback case): building one loads the CA
+        # bundle, which costs more than the whole request. Redirects are not followed, so a plain-http
+        # client never meets TLS.
         self._http = httpx.Client(
-            headers=headers, timeout=httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=10.0)
+            headers=headers,
+            timeout=httpx.Timeout(connect=10.0, read=read_timeout, write=30.0, pool=10.0),
+            verify=self.base_url.startswith("https:"),
         )
+
+    @property
+    def load_timeout(self) -> float:
+        """How long to wait for a loading model: given, else the `health_timeout` setting.
+
+        Read only when a server actually answers 503, so a chat with a ready server never pays
+        for loading the settings.
+        """
+        if self._load_timeout is None:
+            from apirctl.config import settings
+
+            self._load_timeout = settings().health_timeout
+        return self._load_timeout
 
     def close(self) -> None:
         self._http.close()

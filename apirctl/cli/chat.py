@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -63,10 +64,6 @@ def chat(
         )
     interactive = prompt is None and sys.stdin.isatty() and not json_
     base_url, served_model = _target(url, name)
-    if timeout is None:
-        from apirctl.config import settings
-
-        timeout = settings().health_timeout
     with lib.ChatClient(
         base_url, model=model or served_model, api_key=api_key, load_timeout=timeout
     ) as client:
@@ -81,7 +78,7 @@ def chat(
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": question}
         ]
-        waiting = _LoadingNotice(err_console())
+        waiting = _LoadingNotice(err_console)
         if json_:
             try:
                 response = client.complete(messages, max_tokens, temperature, on_loading=waiting)
@@ -110,20 +107,21 @@ def chat(
 class _LoadingNotice:
     """While the server answers 503: a spinner on a terminal's stderr, else one line."""
 
-    def __init__(self, console: Console) -> None:
-        self.console = console
+    def __init__(self, console: Callable[[], Console]) -> None:
+        self.console = console  # made on first use: rich's import is not paid by a ready server
         self.status: Any = None
         self.shown = False
 
     def __call__(self, elapsed: float) -> None:
         text = f"the model is still loading… {elapsed:.0f} s"
+        console = self.console()
         if self.status is not None:
             self.status.update(text)
-        elif self.console.is_terminal and not self.shown:
-            self.status = self.console.status(text)
+        elif console.is_terminal and not self.shown:
+            self.status = console.status(text)
             self.status.start()
         elif not self.shown:
-            self.console.print("apirctl: the model is still loading, waiting…")
+            console.print("apirctl: the model is still loading, waiting…")
         self.shown = True
 
     def stop(self) -> None:
