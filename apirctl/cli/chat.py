@@ -25,12 +25,8 @@ def chat(
     url: str = typer.Option(
         None, "--url", help="OpenAI base URL (e.g. http://127.0.0.1:1234/v1). Default: the running server."
     ),
-    name: str = typer.Option(
-        None, "--name", "-n", help="Which running apirctl server to use, when several run."
-    ),
-    model: str = typer.Option(
-        None, "--model", "-m", help="Model name sent to the server (default: the served one)."
-    ),
+    name: str = typer.Option(None, "--name", "-n", help="Which running apirctl server to use, when several run."),
+    model: str = typer.Option(None, "--model", "-m", help="Model name sent to the server (default: the served one)."),
     system: str = typer.Option(None, "--system", "-s", help="System prompt."),
     prompt: str = typer.Option(
         None,
@@ -59,25 +55,17 @@ def chat(
     from apirctl.errors import ApirctlError
 
     if url and name:
-        raise ApirctlError(
-            "--url and --name exclude each other", hint="--name picks one of our servers; --url any"
-        )
+        raise ApirctlError("--url and --name exclude each other", hint="--name picks one of our servers; --url any")
     interactive = prompt is None and sys.stdin.isatty() and not json_
-    base_url, served_model = _target(url, name)
-    with lib.ChatClient(
-        base_url, model=model or served_model, api_key=api_key, load_timeout=timeout
-    ) as client:
+    base_url, served_model = _target(url, name, interactive)
+    with lib.ChatClient(base_url, model=model or served_model, api_key=api_key, load_timeout=timeout) as client:
         if interactive:
-            session = lib.Session(
-                client, console(), system=system, max_tokens=max_tokens, temperature=temperature
-            )
+            session = lib.Session(client, console(), system=system, max_tokens=max_tokens, temperature=temperature)
             session.banner(f"{client.model or 'the server'} at {client.base_url}")
             session.run()
             return
         question = lib.read_prompt(prompt, sys.stdin)
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": question}
-        ]
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
         waiting = _LoadingNotice(err_console)
         if json_:
             try:
@@ -130,21 +118,55 @@ class _LoadingNotice:
             self.status = None
 
 
-def _target(url: str | None, name: str | None) -> tuple[str, str | None]:
-    """The base URL (and served model) to talk to: --url, or the running server found by its labels."""
+def _target(url: str | None, name: str | None, interactive: bool) -> tuple[str, str | None]:
+    """The base URL (and served model) to talk to: --url, or the running server found by its labels.
+
+    With several servers running and a terminal to ask on, the user picks one.
+    """
     if url:
         return url, None
     from apirctl.errors import ApirctlError
 
     try:
-        from apirctl.serve import find_server
+        from apirctl import serve
     except ImportError:
         raise ApirctlError(
             "no --url given and server discovery is not available in this build",
             hint="pass --url http://127.0.0.1:1234/v1",
         ) from None
-    server = find_server(name)
-    return server.url, getattr(server, "model", None)
+    try:
+        server = serve.find_server(name)
+    except ApirctlError:
+        running = (
+            []
+            if name or not interactive
+            else [s for s in serve.list_servers(probe_health=False) if s.state == "running"]
+        )
+        if len(running) < 2:
+            raise
+        server = _choose(running)
+    model = getattr(server, "model", None)
+    return server.url, model if model and model != "?" else None
+
+
+def _choose(servers: list[Any]) -> Any:
+    """Ask which of several running servers to chat with."""
+    from apirctl.cli.output import console
+
+    for number, server in enumerate(servers, 1):
+        console().print(f"  {number}. {server.name}  {server.model}  {server.url}", markup=False)
+    from apirctl.errors import ApirctlError
+
+    while True:
+        try:
+            answer = input(f"Chat with which server? [1-{len(servers)}] ").strip()
+        except EOFError:
+            raise ApirctlError("no server chosen", hint="pick one with --name NAME") from None
+        if answer.isdigit() and 1 <= int(answer) <= len(servers):
+            return servers[int(answer) - 1]
+        for server in servers:
+            if answer == server.name:
+                return server
 
 
 def register(app: typer.Typer) -> None:
