@@ -134,7 +134,7 @@ def probe(host: str, port: int, timeout: float = 2.0) -> ServerInfo:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             version = hello(sock)
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise RpcBusy(f"{host}:{port} accepted but did not answer HELLO within {timeout:g}s") from exc
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise RpcError(f"{host}:{port} dropped the connection during HELLO") from exc
@@ -142,6 +142,6 @@ def probe(host: str, port: int, timeout: float = 2.0) -> ServerInfo:
             raise RpcError(f"{host}:{port} speaks RPC protocol {version}; this apirctl speaks {PROTOCOL_MAJOR}.x")
         try:
             devices = [device_memory(sock, i) for i in range(device_count(sock))]
-        except socket.timeout as exc:
+        except TimeoutError as exc:
             raise RpcError(f"{host}:{port} stopped answering after HELLO") from exc
     return ServerInfo(version=version, devices=devices, latency_ms=(time.monotonic() - start) * 1000)
