@@ -77,4 +77,4 @@ def platform() -> Platform:
         return macos
     from apirctl.machine import linux
 
-    return linux  # type: ignore[return-value]
+    return linux
