@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import BaseModel
 
 from apirctl.apir import messages, table, tensor
-from apirctl.apir.session import BackendCrashed, BackendProcess, describe_exit
+from apirctl.apir.session import BackendCrashed, BackendProcess, CallFailed, HostError, describe_exit
 
 Outcome = Literal["rejected", "accepted", "crashed"]
 
@@ -49,6 +49,10 @@ class Sent(Exception):
         super().__init__(detail)
         self.ret = ret
         self.detail = detail
+
+
+class SetupFailed(Exception):
+    """The valid calls a probe needs before its malformed one did not work."""
 
 
 class Skip(Exception):
@@ -316,6 +320,8 @@ def run_probe(probe: Probe, library: Path, ggml_library: Path, reg: str) -> Prob
             detail = f"returned {sent.ret}" + (f"; {sent.detail}" if sent.detail else "")
         except Skip as skip:
             outcome, detail = "skipped", str(skip)
+        except (HostError, CallFailed, SetupFailed) as exc:
+            outcome, detail = "error", f"could not set the probe up: {exc}"
         except BackendCrashed as exc:
             outcome = "crashed"
             last = _telling_line(exc.stderr_tail)
@@ -336,7 +342,7 @@ def _telling_line(stderr: str) -> str:
 def _setup(ctx: Ctx) -> None:
     code = ctx.proc.initialize(*_LIBS)
     if code != 6:
-        raise RuntimeError(f"the backend did not initialize (code {code})")
+        raise SetupFailed(f"the backend did not initialize (code {code})")
     ctx.buft = ctx.proc.call("device_get_buffer_type")[0]["buft"]
     ctx.shmem = ctx.proc.shmem(ctx.shmem_size)
     props = ctx.proc.call("device_get_props")[0]

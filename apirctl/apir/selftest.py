@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 
 from apirctl.apir import protocol, tensor
 from apirctl.apir.graph_check import matmul_add_case
-from apirctl.apir.session import BackendCrashed, BackendProcess, CallFailed
+from apirctl.apir.session import BackendCrashed, BackendProcess, CallFailed, HostError
 
 Progress = Callable[[str], None]
 
@@ -142,6 +142,9 @@ def run(library: Path | None = None, ggml_library: Path | None = None, reg: str 
         except CallFailed as exc:
             report.error = str(exc)
             report.checks.append(Check(name=exc.call, ok=False, detail=str(exc)))
+        except HostError as exc:
+            report.error = str(exc)
+            report.checks.append(Check(name="load", ok=False, detail=str(exc)))
         report.stderr_tail = proc.stderr_tail()
     report.ok = (report.crashed_in is None and report.error is None and bool(report.checks)
                  and all(c.ok for c in report.checks))

@@ -23,6 +23,10 @@ from apirctl.apir.child import read_frame, write_frame
 from apirctl.apir.wire import Decoder
 
 
+class HostError(Exception):
+    """The child could not do what was asked (e.g. the file is not a backend library)."""
+
+
 class BackendCrashed(Exception):
     """The child hosting the library died (or hung and was killed) while running `call`."""
 
@@ -100,7 +104,7 @@ class BackendProcess:
             raise BackendCrashed(name, rc, self.stderr_tail(), self.timeout if fired.is_set() else None)
         head, body = frame
         if "error" in head:
-            raise RuntimeError(f"{name}: {head['error']}")
+            raise HostError(f"{name}: {head['error']}")
         return head, body
 
     # ---- operations ----
@@ -168,7 +172,7 @@ class BackendProcess:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            with contextlib.suppress(BackendCrashed, RuntimeError):
+            with contextlib.suppress(BackendCrashed, HostError):
                 self._call("exit", {"op": "exit"})
             try:
                 self.proc.wait(timeout=10)

@@ -193,3 +193,16 @@ def test_reply_overrun_is_measured(backend_libs: Libs) -> None:
         assert overrun == 8 + (len(name.encode()) + 1 + 3) // 4 * 4 - 4  # length + padded text, minus the 4 allowed
         ret, reply, _, overrun = proc.dispatch_limited(fn.index, b"", reply_limit=1024)
         assert overrun == 0 and len(reply) == 8 + (len(name.encode()) + 1 + 3) // 4 * 4
+
+
+def test_a_file_that_is_not_a_backend_library_is_reported(backend_libs: Libs, tmp_path: Path) -> None:
+    _, ggml, reg = backend_libs
+    text = tmp_path / "libnot.so"
+    text.write_text("not an ELF file")
+    report = selftest.run(text, ggml, reg)
+    assert not report.ok and report.crashed_in is None
+    assert report.checks[-1].name == "load" and "libnot.so" in (report.error or "")
+    wrong = selftest.run(ggml, ggml, reg)  # a real shared library, but not the backend
+    assert not wrong.ok and "apir_backend_initialize" in (wrong.error or "")
+    done = _cli("backend", "selftest", "--library", str(text), "--ggml-library", str(ggml), "--reg", reg)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr
