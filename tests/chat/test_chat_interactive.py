@@ -158,3 +158,49 @@ def test_line_history_survives_sessions(llama_server: LlamaServer, isolated_home
     finally:
         second.close(force=True)
     assert second.exitstatus == 0
+
+
+def test_errors_do_not_end_the_session(llama_server: LlamaServer) -> None:
+    """An unreachable server is reported and the session goes on; the failed turn is not kept."""
+    from chat_helpers import free_port
+
+    command = apirctl_command()
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    child = pexpect.spawn(
+        command[0],
+        [*command[1:], "chat", "--url", dead],
+        env=dict(os.environ, TERM="xterm", NO_COLOR="1"),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+        dimensions=(40, 120),
+    )
+    try:
+        child.expect_exact(PROMPT)
+        out = ask(child, "Hello?")
+        assert f"cannot reach {dead}" in out and "error" in out
+        assert "no answer yet" in ask(child, "/stats")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_ctrl_c_in_one_shot_mode_exits_130(llama_server: LlamaServer) -> None:
+    command = apirctl_command()
+    child = pexpect.spawn(
+        command[0],
+        [*command[1:], "chat", "--url", llama_server.url, "-p", LONG_QUESTION, "--max-tokens", "1000",
+         "--temperature", "0"],
+        env=dict(os.environ, TERM="xterm", NO_COLOR="1"),
+        encoding="utf-8",
+        timeout=TIMEOUT,
+    )  # fmt: skip
+    try:
+        wait_decoding(llama_server)
+        child.sendintr()
+        child.expect_exact("apirctl: interrupted")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 130
