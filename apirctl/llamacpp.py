@@ -14,6 +14,7 @@ without a GPU backend one CPU build serves both.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -310,6 +311,27 @@ def build(options: BuildOptions, jobs: int | None = None, progress: ProgressFn |
         done = _load(root)
         if done is not None:
             return done
+    ensure(root)
+    with _exclusive(root / ".lock"):
+        # Another apirctl may have finished this build while we waited for the lock.
+        done = None if force else _load(root)
+        return done if done is not None else _build_locked(root, options, jobs, progress)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """One build of a given key at a time, across processes (two `apirctl setup`s, parallel tests)."""
+    import fcntl
+
+    with lock_path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress: ProgressFn | None) -> Build:
     if shutil.which("cmake") is None:
         raise ApirctlError("cmake is not installed", exit_code=127,
                            hint="install cmake and a C++ compiler (Debian: apt-get install cmake g++)")

@@ -30,7 +30,8 @@ def test_cmake_args_follow_the_backend() -> None:
     assert "-DGGML_RPC=ON" in container.cmake_args()
 
 
-def test_directory_without_manifest_is_not_a_build(tmp_path: Path) -> None:
+def test_directory_without_manifest_is_not_a_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APIRCTL_CACHE_DIR", str(tmp_path / "cache"))
     root = llamacpp.dirs().builds / "builds" / "feedface"
     (root / "cmake" / "bin").mkdir(parents=True)
     assert llamacpp._load(root) is None
