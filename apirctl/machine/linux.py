@@ -259,8 +259,9 @@ def status(name: str | None = None) -> MachineStatus:
     common = {"pid": record.pid, "port": record.port, "host": record.host, "log": record.log}
     if not is_backend_process(record.pid):
         return _st(MachineState.NOT_RUNNING,
-                   f"the host RPC backend is down (pid {record.pid} has exited): {_failure_line()}",
-                   RESTART_HINT, port=record.port, log=record.log)
+                   f"the host RPC backend is down: pid {record.pid} was killed or exited "
+                   f"(last log line: {_failure_line()})", RESTART_HINT, port=record.port, log=record.log,
+                   note="rpc inference servers abort at their next request; restart them after the backend")
     from apirctl.machine import rpc_client
 
     uptime = _uptime(time.time() - record.started_at)

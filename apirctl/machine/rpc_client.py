@@ -15,6 +15,9 @@ source (`ggml/src/ggml-rpc/ggml-rpc.cpp`, protocol 7):
 
 The server serves one connection at a time and queues the others, so a probe that
 gets no HELLO answer within its timeout means "busy with another client", not "dead".
+Such an abandoned probe must be closed with a reset, not a normal close: the server
+would otherwise read our queued HELLO later, answer into a closed socket, and die of
+SIGPIPE (seen with the pinned version).
 """
 
 from __future__ import annotations
@@ -123,6 +126,11 @@ def device_memory(sock: socket.socket, index: int) -> DeviceMemory:
     return DeviceMemory(index=index, free=int(free), total=int(total))
 
 
+def _reset(sock: socket.socket) -> None:
+    """Close with RST (linger 0) so the server's later read fails instead of its write."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
 def probe(host: str, port: int, timeout: float = 2.0) -> ServerInfo:
     """Connect, handshake, and read the device list with free/total memory.
 
@@ -135,6 +143,7 @@ def probe(host: str, port: int, timeout: float = 2.0) -> ServerInfo:
         try:
             version = hello(sock)
         except TimeoutError as exc:
+            _reset(sock)
             raise RpcBusy(f"{host}:{port} accepted but did not answer HELLO within {timeout:g}s") from exc
         except (ConnectionResetError, BrokenPipeError) as exc:
             raise RpcError(f"{host}:{port} dropped the connection during HELLO") from exc
@@ -143,5 +152,6 @@ def probe(host: str, port: int, timeout: float = 2.0) -> ServerInfo:
         try:
             devices = [device_memory(sock, i) for i in range(device_count(sock))]
         except TimeoutError as exc:
+            _reset(sock)
             raise RpcError(f"{host}:{port} stopped answering after HELLO") from exc
     return ServerInfo(version=version, devices=devices, latency_ms=(time.monotonic() - start) * 1000)
