@@ -1,0 +1,149 @@
+"""Containers on the rpc transport against the apirctl-owned backend: reach, serve, faults.
+
+Real podman, the real image and the real demo model. What llama-server does when its backend
+dies is upstream behaviour, measured here: it notices at its next request, aborts ("Remote RPC
+server crashed"), and its container exits; it does not reconnect, so after
+`machine restart --remoting` the container has to be started again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from apirctl.errors import ApirctlError
+from apirctl.machine import MachineState, RestartOptions, linux
+from tests.linux_remoting.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Podman API for these tests, found or started by apirctl's engine in its own home."""
+    from apirctl import engine
+
+    saved = os.environ.get("APIRCTL_HOME")
+    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
+    try:
+        yield engine.discover().url
+        engine.stop_service()
+    finally:
+        if saved is None:
+            os.environ.pop("APIRCTL_HOME", None)
+        else:
+            os.environ["APIRCTL_HOME"] = saved
+
+
+@pytest.fixture
+def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("CONTAINER_HOST", podman_url)
+    return podman_url
+
+
+@pytest.fixture
+def name(podman: str) -> Iterator[str]:
+    from podman.errors import NotFound
+
+    from apirctl import engine
+
+    value = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    yield value
+    with contextlib.suppress(NotFound):
+        engine.client().containers.get(value).remove(force=True)
+
+
+def wait_for(what: str, check, timeout: float = 120.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_container_reaches_the_backend_through_host_loopback(
+    backend: int, podman: str, llama_image: str, demo_model: Path
+) -> None:
+    from apirctl import engine, transport
+
+    plan = transport.plan("rpc", ngl=99, status=linux.status(), platform_name="linux")
+    assert plan.llama_args[:2] == ["--rpc", f"10.0.2.2:{backend}"]
+    spec = plan.apply(engine.ContainerSpec(
+        image=llama_image, name=f"apirctl-test-{uuid.uuid4().hex[:8]}", entrypoint=["/app/bin/llama-bench"],
+        command=["-m", "/models/demo.gguf", "-p", "8", "-n", "4", "-r", "1", "-o", "json"],
+        mounts=[engine.BindMount(source=demo_model, target="/models/demo.gguf")],
+    ))
+    result = engine.run_once(spec, timeout=300)
+    assert result.exit_code == 0, result.output[-2000:]
+    rows = json.loads(result.output[result.output.index("["):result.output.rindex("]") + 1])
+    assert rows[0]["gpu_info"] == f"10.0.2.2:{backend}" and "RPC" in rows[0]["backends"]
+    assert linux.status().state == MachineState.READY  # the container's connection is gone again
+
+
+def test_serve_rpc_while_the_backend_is_down_says_what_to_run(with_build: object, demo_model: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "apirctl", "serve", str(demo_model), "--transport", "rpc",
+                             "--port", str(free_port())], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, APIRCTL_PLATFORM="linux"))
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("apirctl: error:") and "not running" in lines[0]
+    assert "apirctl machine restart --remoting" in result.stderr
+
+
+def chat(base: str) -> httpx.Response:
+    return httpx.post(f"{base}/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 4})
+
+
+def test_kill_the_backend_while_a_container_uses_it(
+    backend: int, podman: str, llama_image: str, demo_model: Path, name: str
+) -> None:
+    from apirctl import engine, serve
+
+    started = serve.start(serve.options(str(demo_model), transport="rpc", port=free_port(), name=name))
+    base = started.server.base
+    assert started.server.transport == "rpc" and chat(base).status_code == 200
+
+    status = linux.status()
+    assert status.state == MachineState.SERVING and name in status.details["serving"]
+    with pytest.raises(ApirctlError, match=name):
+        linux.stop()  # a remoting container depends on it
+
+    record = linux.read_record()
+    assert record is not None
+    os.kill(record.pid, 9)
+    wait_for("the backend to die", lambda: not linux.is_backend_process(record.pid), 10)
+    down = linux.status()
+    assert down.state == MachineState.NOT_RUNNING and "down" in down.summary
+
+    # llama-server finds out at its next request: it aborts and its container exits
+    with contextlib.suppress(httpx.HTTPError):
+        chat(base)
+
+    def exited() -> serve.Server | None:
+        server = next(s for s in serve.list_servers(all=True, probe_health=False) if s.name == name)
+        return server if server.state != "running" else None
+
+    assert wait_for("the container to exit", exited, 60).health == "-"
+    assert "Remote RPC server crashed" in engine.container_logs(serve.container_by_id(started.server.id))
+
+    assert linux.restart(RestartOptions(remoting=True, port=backend, cache=False)).state == MachineState.READY
+    serve.container_by_id(started.server.id).start()  # it does not reconnect by itself
+    wait_for("the server to answer again", lambda: serve.health(base) == "ok", 180)
+    assert chat(base).status_code == 200
+    assert linux.status().state == MachineState.SERVING
+
+    assert linux.stop(force=True).state == MachineState.NOT_RUNNING
+    assert not any(s.name == name for s in serve.list_servers())
