@@ -119,8 +119,8 @@ def _image(ctx: Context) -> str:
     """The inference image (built on first use), or Skipped saying what is missing."""
     from apirctl import image, llamacpp
 
-    build = llamacpp.container_build() or _host_build()
     try:
+        build = llamacpp.container_build() or _host_build()
         tag = image.ensure(build)
     except ApirctlError as exc:
         raise Skipped(f"no inference image: {exc.message}") from None
@@ -128,7 +128,7 @@ def _image(ctx: Context) -> str:
     return tag
 
 
-def _run_in_container(ctx: Context, mode: str, extra_args: Sequence[str], plan: Any | None = None) -> list[Result]:
+def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[Result]:
     """llama-bench as a one-shot container with the model mounted read-only; no network unless a plan adds it."""
     from apirctl import engine
     from apirctl.bench.llamabench import ProgressReader, parse_mixed
@@ -137,8 +137,8 @@ def _run_in_container(ctx: Context, mode: str, extra_args: Sequence[str], plan: 
     target = f"/models/{ctx.filename or ctx.model_path.name}"
     spec = engine.ContainerSpec(
         image=tag,
-        entrypoint=["/app/bin/llama-bench"],
-        command=arguments(target, ctx.params, extra_args, output="jsonl"),
+        entrypoint=["llama-bench"],  # on the image's PATH: apirctl's image and the bundles' images alike
+        command=arguments(target, ctx.params, output="jsonl"),
         mounts=[engine.BindMount(source=ctx.model_path.resolve(), target=target, read_only=True)],
         network_mode="none",
         labels={"apirctl.role": "bench", "apirctl.bench.mode": mode},
@@ -154,7 +154,7 @@ def _run_in_container(ctx: Context, mode: str, extra_args: Sequence[str], plan: 
 
 
 def run_container(ctx: Context) -> ModeOutcome:
-    results = _run_in_container(ctx, "container", [])
+    results = run_in_container(ctx, "container")
     return ModeOutcome("container", results, backend=_backend_label(results, "cpu"))
 
 
@@ -177,7 +177,7 @@ def run_remoting(ctx: Context) -> ModeOutcome:
     ctx.facts["transport"] = plan.transport
     # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
     plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
-    results = _run_in_container(ctx, "remoting", [], plan)
+    results = run_in_container(ctx, "remoting", plan)
     return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport))
 
 

@@ -160,37 +160,25 @@ def test_history_and_compare_on_an_empty_history() -> None:
 
 
 @pytest.mark.integration
-def test_remoting_wiring_reaches_a_loopback_rpc_backend(
-    llama_build: Any, demo_model: Path, llama_image: str, podman: str, tmp_path: Path
+def test_native_and_remoting_through_the_rpc_backend(
+    llama_build: Any, demo_model: Path, llama_image: str, podman: str
 ) -> None:
-    """The remoting mode's container (rpc plan) runs llama-bench on a real ggml-rpc-server bound to 127.0.0.1.
-
-    `apirctl machine restart --remoting` owns that server in real use; here the test starts it, so
-    this checks bench's half: the plan applied to the one-shot container and one test per size.
-    """
-    from bench_helpers import free_port
-
-    from apirctl import transport
-    from apirctl.bench import modes
-    from apirctl.bench.llamabench import Params
-
+    """`machine restart --remoting` starts ggml-rpc-server on 127.0.0.1; bench's remoting rows go through it."""
     port = free_port()
-    log = tmp_path / "rpc.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT)
+    started = run_cli("machine", "restart", "--remoting", "--port", str(port), "--threads", "2")
+    assert started.returncode == 0, started.stderr
     try:
-        params = Params(pp=32, tg=8, reps=1, threads=2)
-        ctx = modes.Context(model_path=demo_model, params=params, filename=demo_model.name)
-        plan = transport.rpc_plan(port, params.ngl)
-        plan = plan.model_copy(update={"llama_args": modes.without_flag(plan.llama_args, ("--n-gpu-layers",))})
-        found = modes._run_in_container(ctx, "remoting", [], plan)
+        proc = run_cli("bench", str(demo_model), "--modes", "native,remoting", "--reps", "1", "--pp", "32",
+                       "--tg", "8", "--threads", "2", "--json")
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-    assert [r.test for r in found] == params.tests()
-    assert all(r.backends == "RPC" and r.tps_mean > 0 for r in found)
-    assert all(f":{port}" in str(r.raw.get("gpu_info")) for r in found)
+        run_cli("machine", "stop")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["system"]["transport"] == "rpc"
+    remoting = [r for r in data["rows"] if r["mode"] == "remoting"]
+    assert [r["test"] for r in remoting] == ["pp32", "tg8"]  # one row per test: a single -ngl reached llama-bench
+    for row in remoting:
+        assert row["backend"] == "RPC" and row["tps_mean"] > 0 and row["ratio_to_native"] > 0
 
 
 @pytest.mark.integration
