@@ -9,11 +9,13 @@ What the user waits for, split so the cost of each layer shows:
 - `cli`: `apirctl chat --url URL -p PROMPT` as a new process, from spawn to its first byte on stdout.
 - `start`: `apirctl --version` as a new process, spawn to exit: the start-up any apirctl command pays.
   `cli - start - bare` is what `chat` adds beyond process start (target: <= 5 ms).
+- `parse`: a new process that imports the CLI and parses and converts the same `chat` options, then
+  stops: what any apirctl command with these options pays before its own code runs (typer builds a
+  pydantic adapter per option). `cli - parse - bare` is what the chat command itself adds.
 - `import_cli`, `import_chat`: `python -c "import apirctl.cli[, apirctl.chat]"`; their difference is
-  what importing the chat client (httpx) costs. What remains of `cli - start - bare` after that and
-  after `library - bare` is the command-line parsing of a command with options (typer).
+  what importing the chat client (httpx) costs.
 
-All four run interleaved, `--runs` times each, with the same greedy one-token request, so llama-server's
+All probes run interleaved, `--runs` times each, with the same greedy one-token request, so llama-server's
 prompt cache makes every request equal. Results go to stdout as a table, or JSON with `--json`.
 
     python benchmarks/chat_ttft.py --model MODEL.gguf [--runs 30]     (starts llama-server itself)
@@ -113,6 +115,20 @@ def start_cost() -> float:
     return time.perf_counter() - start
 
 
+# Everything `apirctl chat -p` does before its own code runs: import the CLI, build the command,
+# parse and convert the same options (typer builds a pydantic adapter per option), then stop.
+PARSE_ONLY = """
+import typer.main
+from apirctl.cli import app
+group = typer.main.get_command(app)
+ctx = group.make_context("apirctl", ["chat", "--url", "http://127.0.0.1:1/v1", "-p", "x",
+                                     "--max-tokens", "1", "--temperature", "0"])
+rest = list(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])) + ctx.args
+name, cmd, args = group.resolve_command(ctx, rest)
+cmd.make_context(name, args, parent=ctx)
+"""
+
+
 def python_cost(code: str) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
@@ -129,7 +145,13 @@ def llama_server(model: Path, threads: int | None) -> Iterator[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [str(llamacpp.require_build().binary("llama-server")), "-m", str(model), "--host", "127.0.0.1"]
+    from apirctl.errors import ApirctlError
+
+    try:
+        binary = llamacpp.require_build().binary("llama-server")
+    except ApirctlError as exc:
+        raise SystemExit(f"{exc.message} ({exc.hint})") from None
+    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1"]
     cmd += ["--port", str(port), "-c", "2048", "-np", "1", "--no-webui"]
     if threads:
         cmd += ["-t", str(threads)]
@@ -159,6 +181,7 @@ def measure(url: str, runs: int) -> dict[str, list[float]]:
         "library": lambda: library(url),
         "cli": lambda: cli(url),
         "start": start_cost,
+        "parse": lambda: python_cost(PARSE_ONLY),
         "import_cli": lambda: python_cost("import apirctl.cli"),
         "import_chat": lambda: python_cost("import apirctl.cli, apirctl.chat"),
     }
@@ -179,14 +202,8 @@ def summary(results: dict[str, list[float]]) -> dict[str, float]:
         "cli_minus_bare_ms": round(med["cli"] - med["bare"], 2),
         "cli_minus_start_minus_bare_ms": round(med["cli"] - med["start"] - med["bare"], 2),
         "chat_imports_ms": round(med["import_chat"] - med["import_cli"], 2),
-        "cli_parse_and_rest_ms": round(
-            med["cli"]
-            - med["start"]
-            - med["bare"]
-            - (med["import_chat"] - med["import_cli"])
-            - (med["library"] - med["bare"]),
-            2,
-        ),
+        "option_parsing_ms": round(med["parse"] - med["import_cli"], 2),
+        "cli_minus_parse_minus_bare_ms": round(med["cli"] - med["parse"] - med["bare"], 2),
     }
 
 
