@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from functools import lru_cache
@@ -522,11 +523,18 @@ def create(spec: ContainerSpec) -> Container:
     """Create (not start) a container from the spec, with one-line errors for Podman's refusals."""
     from podman.errors import APIError, ImageNotFound
 
+    def missing(exc: Exception) -> ApirctlError:
+        local = spec.image.startswith("localhost/")
+        hint = "run `apirctl setup` to build it" if local else f"pull it with `podman pull {spec.image}`"
+        return ApirctlError(f"image {spec.image} not found", hint=hint)
+
     try:
         return client().containers.create(**spec.create_kwargs())
     except ImageNotFound as exc:
-        raise ApirctlError(f"image {spec.image} not found", hint="run `apirctl setup` to build it") from exc
+        raise missing(exc) from exc
     except APIError as exc:
+        if re.search(r"image not known|no such image", api_error_message(exc), re.IGNORECASE):
+            raise missing(exc) from exc
         raise start_failure(exc, "podman refused to create the container") from exc
 
 
@@ -618,11 +626,18 @@ def run_once(
         except APIError as exc:
             raise start_failure(exc, f"cannot start {spec.image}") from exc
         deadline = None if timeout is None else time.monotonic() + timeout
+        shown: list[str] = []
+        pump = None
         if on_line is not None:
-            for line in follow_logs(container):
-                on_line(line)
-                if deadline is not None and time.monotonic() > deadline:
-                    break
+            # Follow in a thread while this one watches the state: a follow on a container that
+            # exits at once can block in some podman versions, and the deadline must hold anyway.
+            def follow() -> None:
+                for line in follow_logs(container):
+                    shown.append(line)
+                    on_line(line)
+
+            pump = threading.Thread(target=follow, daemon=True)
+            pump.start()
         while True:
             container.reload()
             if container.status not in ("running", "created", "configured", "initialized", "stopping"):
@@ -631,7 +646,13 @@ def run_once(
                 output = container_logs(container, tail=20)
                 raise ApirctlError(f"{spec.image} did not finish in {timeout:g} s: {_last_line(output)}")
             time.sleep(0.05)
+        output = container_logs(container)
+        if pump is not None and on_line is not None:
+            pump.join(timeout=5)
+            if pump.is_alive():  # the follow hung: hand over the lines it did not deliver
+                for line in output.splitlines()[len(shown):]:
+                    on_line(line)
         code = int(container.attrs.get("State", {}).get("ExitCode", 0))
-        return RunResult(exit_code=code, output=container_logs(container))
+        return RunResult(exit_code=code, output=output)
     finally:
         remove(container, timeout=2)

@@ -38,7 +38,8 @@ def test_serve_answers_and_ps_logs_stop(served: dict[str, object], name: str, po
     ps = apirctl("ps", "--json")
     assert ps.returncode == 0, ps.stderr
     row = next(s for s in json.loads(ps.stdout) if s["name"] == name)
-    assert (row["url"], row["transport"], row["state"], row["health"], row["port"]) == (url, "none", "running", "ok", port)
+    assert (row["url"], row["transport"], row["state"]) == (url, "none", "running")
+    assert (row["health"], row["port"], row["managed"]) == ("ok", port, True)
     plain = apirctl("ps")
     assert name in plain.stdout and url in plain.stdout
 
