@@ -4,8 +4,8 @@ The client speaks only the common subset (`POST {base}/chat/completions`, SSE wi
 `data:` lines and `[DONE]`), so `apirctl chat --url` works against llama-server, vLLM,
 Ollama's `/v1` and the like. Two llama-server extras are used when present: the
 `timings` object on the last chunk (for `/stats`), and `503` while the model loads
-(we wait instead of failing, because `serve` returns as soon as the port answers on
-some paths and a user may start chatting early).
+(we wait instead of failing: a server started a moment ago, with `serve --detach` or by
+hand, answers on its port before its model is loaded).
 """
 
 from __future__ import annotations
@@ -53,9 +53,7 @@ def normalize_base_url(url: str) -> str:
     try:
         parts.port  # noqa: B018 - raises ValueError on a bad port
     except ValueError:
-        raise ApirctlError(
-            f"invalid URL {url!r}: bad port", hint="example: --url http://127.0.0.1:1234/v1"
-        ) from None
+        raise ApirctlError(f"invalid URL {url!r}: bad port", hint="example: --url http://127.0.0.1:1234/v1") from None
     path = parts.path.rstrip("/")
     for suffix in ("/chat/completions", "/completions"):
         if path.endswith(suffix):
@@ -101,18 +99,6 @@ class Timings:
             cached_tokens=count("cache_n"),
             from_server=True,
         )
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "first_token_s": self.first_token_s,
-            "total_s": self.total_s,
-            "prompt_tokens": self.prompt_tokens,
-            "prompt_per_second": self.prompt_per_second,
-            "predicted_tokens": self.predicted_tokens,
-            "predicted_per_second": self.predicted_per_second,
-            "cached_tokens": self.cached_tokens,
-            "from_server": self.from_server,
-        }
 
 
 @dataclass
@@ -267,9 +253,7 @@ class ChatClient:
         return body
 
     @contextmanager
-    def _open(
-        self, body: dict[str, Any], on_loading: Callable[[float], None] | None
-    ) -> Iterator[httpx.Response]:
+    def _open(self, body: dict[str, Any], on_loading: Callable[[float], None] | None) -> Iterator[httpx.Response]:
         """POST the request; while the server answers 503 (loading), retry until `load_timeout`.
 
         A request without a model that the server refuses (most servers other than
