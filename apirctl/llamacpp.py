@@ -233,6 +233,8 @@ def _load(root: Path) -> Build | None:
         build = Build.model_validate_json(manifest.read_text())
     except ValueError:
         return None
+    # Trust the manifest's location, not the paths written in it: a cache directory can be moved.
+    build = build.model_copy(update={"root": root, "bin_dir": root / "cmake" / "bin"})
     if not all((build.bin_dir / exe).exists() for exe in EXECUTABLES):
         return None
     return build
