@@ -56,7 +56,7 @@ class Runner:
         self.out: Path = args.out  # few files: the device tool returns at most 8
         self.logs: Path = args.work / "logs"  # everything else, packed into out/logs.tgz at the end
         self.start = time.monotonic()
-        self.results: dict = {"steps": {}, "bench": {}, "trace": {}, "load": {}, "env": {}}
+        self.results: dict = {"steps": {}, "bench": {}, "trace": {}, "load": {}, "env": {}, "wire": {}}
         self.build = args.prebuilt or (self.work / "build")
         self.bin = self.build / "bin"
         self.models: dict[str, Path] = {}
@@ -287,12 +287,11 @@ class Runner:
         self.results["bench"].setdefault(shape, {})[key] = {
             "wall_s": round(wall, 2),
             "cmd": " ".join(cmd[len(prefix or []):]).replace(str(self.work), "$WORK"),
-            "rows": [{k: r.get(k) for k in ("n_prompt", "n_gen", "avg_ts", "stddev_ts", "samples_ts", "backends",
-                                            "gpu_info", "model_size", "model_n_params", "flash_attn", "n_batch",
-                                            "n_ubatch", "devices")} for r in rows],
+            "rows": [{k: v for k, v in r.items() if k not in ("samples_ns", "model_filename", "cpu_info")}
+                     for r in rows],
         }
-        summary = ", ".join(f"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}={r['avg_ts']:.1f}"
-                            for r in rows)
+        summary = ", ".join(f"{'pp' if r['n_prompt'] else 'tg'}{r['n_prompt'] or r['n_gen']}"
+                            f"[t{r.get('n_threads')},ub{r.get('n_ubatch')}]={r['avg_ts']:.1f}" for r in rows)
         self.log(f"{shape} {key}: {summary} ({wall:.1f}s)")
 
     def core(self, shape: str) -> None:
@@ -357,6 +356,57 @@ class Runner:
             self.step(f"{shape}/rpc-fa", self.bench, "rpc_loopback_fa1", shape,
                       ["-fa", "1", "--rpc", f"127.0.0.1:{PORT}"], no_gpu)
 
+    def knobs2(self, shape: str) -> None:
+        """Client threads, polling and priority for generation; micro-batch size for prompts."""
+        no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+        rpc = ["--rpc", f"127.0.0.1:{PORT}"]
+        with self.server("127.0.0.1"):
+            self.step(f"{shape}/rpc-threads", self.bench, "rpc_tg_threads", shape, [*rpc, "-t", "1,4,8,16"], no_gpu,
+                      None, None, ("0", "128"))
+            self.step(f"{shape}/rpc-poll", self.bench, "rpc_tg_poll", shape, [*rpc, "--poll", "0,100"], no_gpu,
+                      None, None, ("0", "128"))
+            self.step(f"{shape}/rpc-prio", self.bench, "rpc_tg_prio2", shape, [*rpc, "--prio", "2"], no_gpu,
+                      None, None, ("0", "128"))
+            self.step(f"{shape}/rpc-ubatch", self.bench, "rpc_pp_ubatch", shape, [*rpc, "-ub", "128,256,512"],
+                      no_gpu, None, None, ("512", "0"))
+        self.step(f"{shape}/native-threads", self.bench, "native_tg_threads", shape, ["-t", "1,4,8,16"],
+                  None, None, None, ("0", "128"))
+        self.step(f"{shape}/native-ubatch", self.bench, "native_pp_ubatch", shape, ["-ub", "128,256,512"],
+                  None, None, None, ("512", "0"))
+
+    def wire(self) -> None:
+        """The network path alone, per token, with the traced message pattern (rpc_wire.c)."""
+        exe = self.work / "rpc_wire"
+        cc = shutil.which("cc") or shutil.which("gcc") or "cc"
+        subprocess.run([cc, "-O2", "-o", str(exe), str(HERE / "rpc_wire.c")], check=True)
+        patterns = {"1b": (28280, 10, 513032), "3b": (40568, 10, 513032), "no_logits": (28280, 10, 8)}
+        paths: dict[str, tuple[str, list[str]]] = {"loopback": ("127.0.0.1", [])}
+        results: dict[str, dict[str, object]] = {}
+        if self.results["steps"].get("veth", "").startswith("ok"):
+            paths["veth"] = (VETH_HOST, ["nsenter", f"--net=/var/run/netns/{NS}"])
+        for path, (host, prefix) in paths.items():
+            results[path] = self._wire_runs(exe, host, host, prefix, patterns)
+        if self.slirp:
+            with self.slirp_ns() as prefix:
+                results["slirp4netns"] = self._wire_runs(exe, "127.0.0.1", SLIRP_HOST_LOOPBACK, prefix, patterns)
+        self.results["wire"] = results
+        self.log(f"wire per token (median us): {json.dumps({p: {k: v['median_us'] for k, v in r.items()} for p, r in results.items()})}")  # noqa: E501
+
+    def _wire_runs(self, exe: Path, bind: str, connect: str, prefix: list[str],
+                   patterns: dict[str, tuple[int, int, int]]) -> dict[str, dict]:
+        server = subprocess.Popen([str(exe), "server", bind, str(PORT + 1)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+            out = {}
+            for label, (up, msgs, down) in patterns.items():
+                proc = self.run([*prefix, str(exe), "client", connect, str(PORT + 1), "3000", str(up), str(msgs),
+                                 str(down)], "wire.log", timeout=60)
+                out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+            return out
+        finally:
+            server.kill()
+            server.wait()
+
     def load_times(self, shape: str) -> None:
         """Whole-run wall time of a tiny bench: no cache, cold cache, warm cache."""
         cache = self.work / f"rpc-cache-{shape}"
@@ -418,6 +468,11 @@ class Runner:
         for shape in self.args.shapes:
             if "knobs" in parts:
                 self.knobs(shape)
+        if "wire" in parts:
+            self.step("wire", self.wire, need=20)
+        for shape in self.args.shapes:
+            if "knobs2" in parts:
+                self.knobs2(shape)
         for shape in self.args.shapes:
             if "load" in parts:
                 self.step(f"{shape}/load", self.load_times, shape, need=40)
@@ -445,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--debs", type=Path, help="folder of slirp4netns .deb files, if it is not installed")
     ap.add_argument("--shapes", nargs="+", default=["1b", "3b"])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--parts", nargs="+", default=["core", "trace", "selftest", "knobs", "load"],
+    ap.add_argument("--parts", nargs="+", default=["core", "trace", "selftest", "knobs", "wire", "knobs2", "load"],
                     help="which measurements to run, after the build")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0", help="the device ggml-rpc-server serves")
