@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -267,25 +268,30 @@ def _socket_url(path: Path | str) -> str:
 
 
 def answers(url: str, timeout: float = 3.0) -> bool:
-    """True when a Podman API answers `_ping` at `url` (unix:// or tcp://; others are trusted)."""
-    import httpx
+    """True when a Podman API answers `_ping` at `url` (unix:// or tcp://; others are trusted).
 
+    A bare HTTP/1.0 request on a socket: this runs on every command, and an HTTP client costs
+    more to set up than the ping itself.
+    """
     if url.startswith("unix://"):
         path = url[len("unix://") :]
         if not Path(path).exists():
             return False
-        transport = httpx.HTTPTransport(uds=path)
-        base = "http://d"
+        family, address = socket.AF_UNIX, path
     elif url.startswith(("tcp://", "http://")):
-        transport = httpx.HTTPTransport()
-        base = "http://" + url.split("://", 1)[1]
+        host, _, port = url.split("://", 1)[1].split("/", 1)[0].rpartition(":")
+        family, address = socket.AF_INET, (host or "127.0.0.1", int(port or 80))  # type: ignore[assignment]
     else:  # ssh:// and others: podman-py connects itself
         return True
     try:
-        with httpx.Client(transport=transport, base_url=base, timeout=timeout) as http:
-            return http.get("/_ping").status_code == 200
-    except httpx.HTTPError:
+        with socket.socket(family, socket.SOCK_STREAM) as conn:
+            conn.settimeout(timeout)
+            conn.connect(address)
+            conn.sendall(b"GET /_ping HTTP/1.0\r\nHost: d\r\n\r\n")
+            head = conn.recv(64)
+    except (OSError, ValueError):
         return False
+    return head.startswith(b"HTTP/1.") and head[9:12] == b"200"
 
 
 def machine_socket(name: str | None = None) -> str | None:
@@ -414,8 +420,8 @@ def discover(start: bool = True) -> Endpoint:
                 hint="start the service it names, or unset CONTAINER_HOST to let apirctl find one",
             )
         return Endpoint(url=explicit, source="CONTAINER_HOST")
-    podman_version()
     if sys.platform == "darwin":
+        podman_version()
         url = machine_socket()
         if url and answers(url):
             return Endpoint(url=url, source="machine")
@@ -434,17 +440,29 @@ def discover(start: bool = True) -> Endpoint:
     return start_service()
 
 
-_clients: dict[str, PodmanClient] = {}
+# One client per process and environment: discovery pings sockets, which serve's hot path must
+# not repeat for every call. Entries are re-checked after a while, as our service may idle out.
+_clients: dict[tuple[str, ...], tuple[PodmanClient, str, float]] = {}
+_CLIENT_TTL = 30.0
+
+
+def _client_key() -> tuple[str, ...]:
+    names = ("CONTAINER_HOST", "XDG_RUNTIME_DIR", "CONTAINERS_CONF", "APIRCTL_HOME")
+    return (*(os.environ.get(name, "") for name in names), str(dirs().state))
 
 
 def client() -> PodmanClient:
-    """A podman-py client on the discovered API (one per address per process)."""
+    """A podman-py client on the discovered API (discovered once per process and environment)."""
     from podman import PodmanClient
 
+    key = _client_key()
+    cached = _clients.get(key)
+    if cached and time.monotonic() - cached[2] < _CLIENT_TTL:
+        return cached[0]
     url = discover().url
-    if url not in _clients:
-        _clients[url] = PodmanClient(base_url=url, timeout=600)
-    return _clients[url]
+    made = cached[0] if cached and cached[1] == url else PodmanClient(base_url=url, timeout=600)
+    _clients[key] = (made, url, time.monotonic())
+    return made
 
 
 # --- containers --------------------------------------------------------------------------------

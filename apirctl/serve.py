@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ from apirctl import __version__
 from apirctl.errors import ApirctlError
 
 if TYPE_CHECKING:
+    import httpx
     from podman.domain.containers import Container
 
     from apirctl.transport import Plan
@@ -222,12 +224,20 @@ def _created(attrs: dict[str, Any]) -> datetime | None:
     return None
 
 
+@lru_cache(maxsize=1)
+def _http() -> httpx.Client:
+    """One HTTP client per process: making one costs tens of ms (its TLS context), a poll must not."""
+    import httpx
+
+    return httpx.Client(trust_env=False, verify=False)  # plain http to our own port
+
+
 def health(base: str, timeout: float = 1.0) -> str:
     """llama-server's /health: ok, loading (503 while the model loads), error, or unreachable."""
     import httpx
 
     try:
-        response = httpx.get(f"{base}/health", timeout=timeout)
+        response = _http().get(f"{base}/health", timeout=timeout)
     except httpx.HTTPError:
         return "unreachable"
     if response.status_code == 200:
@@ -324,6 +334,11 @@ def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None) -> 
     build = llamacpp.container_build()
     if build is None:
         raise ApirctlError("the inference image is not built yet", exit_code=127, hint="run `apirctl setup`")
+    tag = image.tag_for(build)
+    if engine.image_exists(tag):  # one API call instead of a podman process: serve's hot path
+        return tag
+    if on_status:
+        on_status(f"building {tag}")
     return image.ensure(build)
 
 
@@ -360,17 +375,21 @@ def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list
 def _pick_name(opts: ServeOptions, model_name: str) -> str:
     from apirctl import engine
 
-    existing = {c.name for c in engine.client().containers.list(all=True)}
+    containers = engine.client().containers
+
+    def exists(candidate: str) -> bool:
+        return bool(containers.exists(candidate))
+
     if opts.name:
         if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", opts.name):
             raise ApirctlError(f"invalid server name {opts.name!r}: use letters, digits, '_', '.' and '-'")
-        if opts.name in existing:
+        if exists(opts.name):
             raise ApirctlError(f"a container named {opts.name} already exists",
                                hint=f"stop it with `apirctl stop {opts.name}` or pick another --name")
         return opts.name
     base = f"apirctl-{_slug(model_name)}"
     for candidate in (base, f"{base}-{opts.port}"):
-        if candidate not in existing:
+        if not exists(candidate):
             return candidate
     raise ApirctlError(f"containers {base} and {base}-{opts.port} already exist", hint="pass --name")
 
@@ -470,27 +489,30 @@ def _safe_tail(container: Container) -> str:
 
 
 def _wait_ready(container: Container, base: str, timeout: float) -> None:
-    """Poll /health until ok, failing fast when the container stops."""
+    """Poll /health every 20 ms until ok (each interval adds to time-to-ready), and the container's
+    state every 250 ms, failing fast when it stops."""
     deadline = time.monotonic() + timeout
-    delay = 0.02
+    next_state_check = 0.0
     while True:
-        container.reload()
-        if container.status not in _RUNNING + _STARTING:
-            code = container.attrs.get("State", {}).get("ExitCode")
-            raise ServeFailed(
-                f"the server exited (code {code}) before it was ready",
-                hint="its last log lines are above; fix the model or flags and retry",
-            )
+        now = time.monotonic()
+        if now >= next_state_check:
+            container.reload()
+            if container.status not in _RUNNING + _STARTING:
+                code = container.attrs.get("State", {}).get("ExitCode")
+                raise ServeFailed(
+                    f"the server exited (code {code}) before it was ready",
+                    hint="its last log lines are above; fix the model or flags and retry",
+                )
+            next_state_check = now + 0.25
         state = health(base, timeout=2.0)
         if state == "ok":
             return
         if time.monotonic() > deadline:
             raise ServeFailed(
                 f"the server was not ready after {timeout:g} s (health: {state})",
-                hint="raise the limit with APIRCTL_HEALTH_TIMEOUT, or see the log lines above",
+                hint="raise the limit with --timeout or APIRCTL_HEALTH_TIMEOUT, or see the log lines above",
             )
-        time.sleep(delay)
-        delay = min(delay * 1.5, 0.25)
+        time.sleep(0.02)
 
 
 # --- logs and stop -----------------------------------------------------------------------------
