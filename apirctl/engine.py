@@ -68,12 +68,19 @@ _RESTRICTED = re.compile(
 
 def install_hint() -> str:
     """How to get podman on this host, for the one-line error."""
-    if sys.platform == "darwin":
+    if on_macos():
         return "install it with `brew install podman`, then `podman machine init`"
     return (
         "install it with your package manager: `sudo apt-get install podman runc` (Debian, Ubuntu) "
         "or `sudo dnf install podman` (Fedora)"
     )
+
+
+def on_macos() -> bool:
+    """True on macOS, where containers run in the podman machine; `APIRCTL_PLATFORM` overrides
+    it like `apirctl.machine.platform()` (tests drive the macOS path on Linux with fakes)."""
+    chosen = os.environ.get("APIRCTL_PLATFORM", "").strip().lower()
+    return chosen in ("macos", "darwin") if chosen else sys.platform == "darwin"
 
 
 # --- the podman binary -------------------------------------------------------------------------
@@ -186,7 +193,7 @@ def runtime_decision(refresh: bool = False) -> RuntimeDecision:
             decision = RuntimeDecision.model_validate_json(path.read_text())
             if not decision.restricted or (decision.conf and Path(decision.conf).exists()):
                 return decision
-    if sys.platform == "darwin":  # containers run in the podman machine, not here
+    if on_macos():  # containers run in the podman machine, not here
         decision = RuntimeDecision(restricted=False, reason="macOS: containers run in the podman machine")
     else:
         ok, output = probe_runtime(None)
@@ -420,7 +427,7 @@ def discover(start: bool = True) -> Endpoint:
                 hint="start the service it names, or unset CONTAINER_HOST to let apirctl find one",
             )
         return Endpoint(url=explicit, source="CONTAINER_HOST")
-    if sys.platform == "darwin":
+    if on_macos():
         podman_version()
         url = machine_socket()
         if url and answers(url):

@@ -17,7 +17,6 @@ network, SELinux options, environment and llama.cpp flags that `Plan.apply` adds
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
@@ -47,6 +46,7 @@ class Plan(BaseModel):
     environment: dict[str, str] = Field(default_factory=dict)
     llama_args: list[str] = Field(default_factory=list)
     notice: str | None = None  # why `auto` chose what it chose
+    tunnels: list[int] = Field(default_factory=list)  # rpc via SSH: pids of the tunnels (close them on stop)
 
     @property
     def remoting(self) -> bool:
@@ -110,6 +110,72 @@ def rpc_plan(port: int, ngl: int, requested: str = "rpc") -> Plan:
     )
 
 
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """`HOST:PORT` or `[V6]:PORT` -> (host, port), with a one-line error for anything else."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ApirctlError(f"--rpc-backend {text!r}: expected HOST:PORT (e.g. 192.168.1.20:50052)")
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, insecure_network: bool = False,
+                    ssh_args: list[str] | None = None, requested: str = "rpc") -> Plan:
+    """rpc wiring for explicit backends (`--rpc-backend`, repeatable: llama.cpp splits the layers).
+
+    Loopback backends are reached through the host-loopback mapping. With `via_ssh` every backend
+    address is as the SSH host sees it, reached through a tunnel whose local end is on this host's
+    loopback. A plain non-loopback address is refused unless `insecure_network`: the RPC protocol
+    has no authentication.
+    """
+    from apirctl import tunnel
+
+    if not backends:
+        raise ApirctlError("no --rpc-backend given")
+    endpoints: list[str] = []
+    opened: list[int] = []
+    try:
+        for text in backends:
+            host, port = parse_endpoint(text)
+            if via_ssh:
+                t = tunnel.open_tunnel(via_ssh, host, port, ssh_args=ssh_args)
+                opened.append(t.pid)
+                endpoints.append(f"{SLIRP_HOST_LOOPBACK}:{t.local_port}")
+            elif is_loopback(host):
+                endpoints.append(f"{SLIRP_HOST_LOOPBACK}:{port}")
+            elif insecure_network:
+                endpoints.append(f"{host}:{port}")
+            else:
+                raise ApirctlError(
+                    f"refusing the RPC backend {host}:{port} over the network: the RPC protocol has no "
+                    "authentication and gives its clients access to that host's memory",
+                    hint="tunnel it with --via-ssh USER@HOST (the backend stays on that host's loopback), "
+                         "or pass --insecure-network on a network you trust completely",
+                )
+    except BaseException:
+        tunnel.close(opened)
+        raise
+    return Plan(
+        transport="rpc",
+        requested=requested,
+        network_mode="slirp4netns",
+        network_options={"slirp4netns": ["allow_host_loopback=true"]},
+        llama_args=["--rpc", ",".join(endpoints), "--n-gpu-layers", str(ngl)],
+        tunnels=opened,
+    )
+
+
 def virtgpu_plan(ngl: int, image: str | None = None, requested: str = "virtgpu") -> Plan:
     """The virtgpu wiring: the VM's virtio-gpu device, unlabelled, all layers offloaded."""
     return Plan(
@@ -132,14 +198,19 @@ def plan(
 ) -> Plan:
     """Resolve a requested transport into its wiring, or a one-line error saying what to do.
 
-    `status` is the machine status (asked for when not given); `platform_name` defaults to
-    this host's `sys.platform`.
+    `status` is the machine status (asked for when not given); `platform_name` ("darwin" or
+    "linux") defaults to this host's, as `engine.on_macos` sees it.
     """
     if requested not in TRANSPORTS:
         raise ApirctlError(f"unknown transport {requested!r} (choose from {', '.join(TRANSPORTS)})")
     if requested == "none":
         return Plan(transport="none", requested=requested)
-    darwin = (platform_name or sys.platform) == "darwin"
+    if platform_name is None:
+        from apirctl.engine import on_macos
+
+        darwin = on_macos()
+    else:
+        darwin = platform_name == "darwin"
     if requested == "virtgpu" and not darwin:
         raise ApirctlError(
             "the virtgpu transport needs macOS API remoting (a krunkit podman machine)",

@@ -184,3 +184,37 @@ def test_run_once_returns_exit_code_and_output(llama_image: str) -> None:
 def test_missing_image_is_one_line() -> None:
     with pytest.raises(ApirctlError, match="image localhost/apirctl/no-such-image:0 not found"):
         engine.create(engine.ContainerSpec(image="localhost/apirctl/no-such-image:0"))
+
+
+def _fake_macos_podman(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running: bool) -> None:
+    """The faithful fake of macOS `podman machine` from tests/fakes (see its README) first on PATH."""
+    import json
+
+    fakes = Path(__file__).resolve().parent.parent / "fakes"
+    bin_dir = tmp_path / "fake-bin"
+    bin_dir.mkdir()
+    exe = bin_dir / "podman"
+    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(fakes)!r})\n"
+                   "from fake_podman import main\nsys.exit(main(sys.argv[1:]))\n")
+    exe.chmod(0o755)
+    state = tmp_path / "fake-state.json"
+    machine = {"name": "podman-machine-default", "provider": "libkrun", "default": True,
+               "state": "running" if running else "stopped", "created": "2026-11-01T10:00:00Z"}
+    state.write_text(json.dumps({"default_provider": "libkrun", "machines": {machine["name"]: machine}}))
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MACOS_STATE", str(state))
+    monkeypatch.setenv("APIRCTL_PLATFORM", "macos")
+    monkeypatch.delenv("CONTAINER_HOST", raising=False)
+
+
+def test_macos_socket_comes_from_podman_machine_inspect(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_macos_podman(tmp_path, monkeypatch, running=True)
+    assert engine.on_macos()
+    assert engine.machine_socket() == "unix:///var/folders/xx/T/podman/podman-machine-default-api.sock"
+    assert engine.machine_socket("no-such-machine") is None
+    # The fake has no API socket behind the path, so discovery says what to do instead of guessing.
+    with pytest.raises(ApirctlError, match="podman machine is not running") as err:
+        engine.discover()
+    assert err.value.hint and "machine restart" in err.value.hint
+    assert engine.service_record() is None  # never a local service on macOS
+    assert not engine.runtime_decision().restricted  # and no probe: containers run in the VM
