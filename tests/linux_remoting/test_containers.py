@@ -28,29 +28,6 @@ from tests.linux_remoting.conftest import free_port
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Podman API for these tests, found or started by apirctl's engine in its own home."""
-    from apirctl import engine
-
-    saved = os.environ.get("APIRCTL_HOME")
-    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
-    try:
-        yield engine.discover().url
-        engine.stop_service()
-    finally:
-        if saved is None:
-            os.environ.pop("APIRCTL_HOME", None)
-        else:
-            os.environ["APIRCTL_HOME"] = saved
-
-
-@pytest.fixture
-def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("CONTAINER_HOST", podman_url)
-    return podman_url
-
-
 @pytest.fixture
 def name(podman: str) -> Iterator[str]:
     from podman.errors import NotFound
