@@ -268,12 +268,13 @@ def status(name: str | None = None) -> MachineStatus:
     devices = _devices_from_log()
     servers = rpc_servers()
     serving = ", ".join(s.name for s in servers) or None
+    if servers:  # its one connection belongs to them: a probe would only queue behind it
+        return _st(MachineState.SERVING, f"the host RPC backend is serving: {serving}", None,
+                   device=", ".join(devices) or record.device, uptime=uptime, serving=serving,
+                   cache=record.cache_dir if record.cache else "off", **common)
     try:
         info = rpc_client.probe(record.host, record.port, timeout=2.0)
     except rpc_client.RpcBusy:
-        if servers:
-            return _st(MachineState.SERVING, f"the host RPC backend is serving: {serving}", None,
-                       device=", ".join(devices) or record.device, uptime=uptime, serving=serving, **common)
         return _st(MachineState.READY, "the host RPC backend runs (busy with a client now)", None,
                    device=", ".join(devices) or record.device, uptime=uptime, **common)
     except (OSError, rpc_client.RpcError) as exc:
@@ -283,9 +284,7 @@ def status(name: str | None = None) -> MachineStatus:
     memory = [f"{d.free // 2**20} MiB free of {d.total // 2**20} MiB" for d in info.devices]
     details = dict(device=", ".join(devices) or record.device or "server default", memory="; ".join(memory),
                    protocol=info.version, uptime=uptime, cache=record.cache_dir if record.cache else "off",
-                   serving=serving, **common)
-    if servers:
-        return _st(MachineState.SERVING, f"the host RPC backend is serving: {serving}", None, **details)
+                   **common)
     return _st(MachineState.READY, f"the host RPC backend is ready on {record.host}:{record.port}", None, **details)
 
 
