@@ -436,7 +436,7 @@ class Runner:
                          "--library", str(self.bin / "libggml-virtgpu-backend.so"),
                          "--ggml-library", str(self.bin / "libggml-cuda.so"), "--reg", "ggml_backend_cuda_reg"],
                         "selftest.log", env={"APIRCTL_HOME": str(home)}, check=False, timeout=120)
-        (self.out / "selftest.json").write_text(proc.stdout)
+        (self.out / "selftest.json").write_text(proc.stdout.replace(str(self.work), "$WORK"))
         self.results["selftest_rc"] = proc.returncode
 
     def environment(self) -> None:
