@@ -149,6 +149,7 @@ def test_a_container_uses_a_backend_through_ssh(
         tunnel.close(plan.tunnels)
 
 
+@pytest.mark.skipif(shutil.which("ssh") is None, reason="needs OpenSSH's client")
 def test_unreachable_ssh_is_a_one_line_error() -> None:
     with pytest.raises(ApirctlError, match=r"ssh to .* failed") as err:
         tunnel.open_tunnel(f"{getpass.getuser()}@127.0.0.1:{free_port()}", "127.0.0.1", 50052,
