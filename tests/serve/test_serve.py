@@ -166,3 +166,42 @@ def test_foreground_ctrl_c_stops_and_removes(
     child.expect(f"stopped {name}")
     child.expect(pexpect.EOF)
     assert not container_exists(name)
+
+
+def test_auto_transport_says_what_it_chose(podman: str, llama_image: str, demo_model: Path, name: str,
+                                           port: int) -> None:
+    from apirctl import transport
+
+    expected = transport.plan("auto")
+    done = apirctl("serve", str(demo_model), "--port", str(port), "--name", name, "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["transport"] == expected.transport
+    if expected.transport == "none":
+        assert "notice: remoting is not ready" in done.stderr
+    assert apirctl("stop", name).returncode == 0
+
+
+def test_upstream_extension_server_is_listed_and_blocks_a_second_virtgpu(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    """A container labelled the way the Podman Desktop extension labels its API-remoting server."""
+    from apirctl import engine, serve, transport
+    from apirctl.errors import ApirctlError
+
+    url = f"http://127.0.0.1:{port}/v1"
+    container = engine.create(engine.ContainerSpec(
+        image=llama_image, name=name,
+        command=["--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8000"],
+        mounts=[engine.BindMount(source=demo_model, target="/models/m.gguf")],
+        ports={8000: ("127.0.0.1", port)},
+        labels={"llama-cpp.apir": "true", "api": url, "ai-lab-inference-server": json.dumps([str(demo_model.parent)]),
+                "gpu": "llama.cpp API Remoting", "trackingId": "t"},
+    ))
+    container.start()
+    listed = next(s for s in serve.list_servers() if s.name == name)
+    assert (listed.managed, listed.transport, listed.url, listed.port) == (False, "virtgpu", url, port)
+    assert serve.find_server(name).id == container.id
+    with pytest.raises(ApirctlError, match=f"already running: {name}") as err:
+        serve._one_virtgpu_at_a_time(transport.virtgpu_plan(999))
+    assert err.value.hint and f"apirctl stop {name}" in err.value.hint
+    serve._one_virtgpu_at_a_time(transport.Plan(transport="none", requested="none"))  # other transports may run
