@@ -11,6 +11,7 @@ hand, answers on its port before its model is loaded).
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -19,9 +20,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+if "httpx" not in sys.modules:
+    # Importing the httpx package also imports its own command-line client (click, rich, pygments)
+    # whenever click is installed; chat never runs it, and it would triple the import time of
+    # `apirctl chat -p`. A None entry makes that optional import fail, as if click were missing.
+    sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 
-from apirctl.errors import ApirctlError
+import httpx  # noqa: E402
+
+from apirctl.errors import ApirctlError  # noqa: E402
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -514,8 +521,6 @@ class Session:
         out: TextIO | None = None,
         history: Path | None = None,
     ) -> None:
-        import sys
-
         self.client = client
         self.console = console
         self.system = system
