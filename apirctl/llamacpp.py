@@ -287,7 +287,9 @@ _MAKE_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
 def _run_logged(cmd: list[str], log: TextIO, on_line: Callable[[str], None] | None = None) -> int:
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    # The source may sit inside someone's git checkout: keep its commit out of the build info.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dirs().builds)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
         log.write(line)
