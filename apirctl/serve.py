@@ -264,6 +264,11 @@ def _server(container: Container, probe_health: bool = True) -> Server:
     names = attrs.get("Names")
     name = names[0] if isinstance(names, list) and names else container.name
     image = attrs.get("Image") or ""
+    state_of_health = (health(url.removesuffix("/v1")) if url else "unreachable") if running and probe_health else "-"
+    if transport == "rpc" and running and probe_health:  # its /health says ok until its next request
+        from apirctl.machine import linux
+
+        state_of_health = linux.backend_problem() or state_of_health
     return Server(
         name=str(name).lstrip("/"),
         id=container.id,
@@ -271,7 +276,7 @@ def _server(container: Container, probe_health: bool = True) -> Server:
         transport=transport,
         url=url,
         state=state,
-        health=(health(url.removesuffix("/v1")) if url else "unreachable") if running and probe_health else "-",
+        health=state_of_health,
         port=port,
         created=_created(attrs),
         image=str(image),
@@ -541,12 +546,14 @@ def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002
         targets = [find_server(name, all=True)]
     else:
         servers = list_servers(all=True, probe_health=False)
+        running = [s for s in servers if s.state in _RUNNING]
         if not servers:
             raise ApirctlError("no inference server to stop", hint="`apirctl ps -a` lists them")
-        if len(servers) > 1:
-            names = ", ".join(s.name for s in servers)
+        candidates = running if running else servers  # the one running server, else the only one left
+        if len(candidates) > 1:
+            names = ", ".join(s.name for s in candidates)
             raise ApirctlError(f"several inference servers exist ({names})", hint="name one, or use --all")
-        targets = servers
+        targets = candidates[:1]
     stopped = []
     for server in targets:
         with contextlib.suppress(ApirctlError):

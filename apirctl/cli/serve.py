@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -81,6 +82,8 @@ def serve(
         try:
             started = lib.start(opts, progress=on_phase)
         except lib.ServeFailed as exc:
+            if tasks:
+                bar.update(tasks[-1], description=f"[red]{bar.tasks[-1].description}: failed[/]")
             bar.stop()
             if exc.log_tail:
                 err_console().print("[dim]── last log lines ──[/]")
@@ -113,14 +116,19 @@ def _foreground(name: str) -> None:
     """Follow the logs; Ctrl-C stops and removes the server."""
     from apirctl import serve as lib
     from apirctl.cli.output import err_console
+    from apirctl.errors import ApirctlError
 
     err_console().print("[dim]following the server's log; Ctrl-C stops and removes it[/]")
+    interrupted = False
     try:
         for line in lib.logs(name, tail=0, follow=True):
             print(line, flush=True)
     except KeyboardInterrupt:
-        pass
-    lib.stop(name)
+        interrupted = True
+    with contextlib.suppress(ApirctlError):  # someone may have stopped it already
+        lib.stop(name)
+    if not interrupted:
+        raise ApirctlError(f"server {name} stopped on its own (removed)", hint="its last log lines are above")
     err_console().print(f"stopped {name}")
 
 
