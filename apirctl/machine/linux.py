@@ -213,6 +213,20 @@ def rpc_servers() -> list[Server]:
         return []
 
 
+def backend_problem() -> str | None:
+    """Why rpc containers cannot work now, or None; cheap (no probe, no Podman) so `ps` can ask.
+
+    llama-server only notices a dead backend at its next request, so its own /health keeps
+    saying ok until then; `apirctl ps` shows this reason instead.
+    """
+    record = read_record()
+    if record is None:
+        return "rpc backend not running"
+    if not is_backend_process(record.pid):
+        return "rpc backend down"
+    return None
+
+
 def _uptime(seconds: float) -> str:
     seconds = int(seconds)
     days, rest = divmod(seconds, 86400)

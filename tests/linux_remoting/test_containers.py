@@ -104,6 +104,12 @@ def test_kill_the_backend_while_a_container_uses_it(
     wait_for("the backend to die", lambda: not linux.is_backend_process(record.pid), 10)
     down = linux.status()
     assert down.state == MachineState.NOT_RUNNING and "down" in down.summary
+    # llama-server's own /health still says ok: `apirctl ps` shows the reason instead
+    ps = subprocess.run([sys.executable, "-m", "apirctl", "ps", "--json"], capture_output=True, text=True,
+                        timeout=120, env=dict(os.environ))
+    assert ps.returncode == 0, ps.stderr
+    row = next(r for r in json.loads(ps.stdout) if r["name"] == name)
+    assert row["state"] == "running" and row["health"] == "rpc backend down"
 
     # llama-server finds out at its next request: it aborts and its container exits
     with contextlib.suppress(httpx.HTTPError):
