@@ -99,7 +99,9 @@ class Server(BaseModel):
 
 
 class Phase(BaseModel):
-    name: str
+    """One step of `start` and how long it took (shown by the CLI, used by the benchmark)."""
+
+    name: str  # model, image, container, loading model
     seconds: float
 
 
@@ -109,7 +111,6 @@ class Started(BaseModel):
     server: Server
     phases: list[Phase]
     notice: str | None = None
-    log_hint: str | None = None
 
 
 class ServeFailed(ApirctlError):

@@ -1,0 +1,81 @@
+"""serve's pure parts: URLs, ports, labels, the llama-server command line, options from settings."""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from apirctl import serve, transport
+from apirctl.cli.serve import _uptime
+from apirctl.errors import ApirctlError
+
+
+@pytest.mark.parametrize(("host_ip", "url"), [
+    ("127.0.0.1", "http://127.0.0.1:1234/v1"),
+    ("0.0.0.0", "http://127.0.0.1:1234/v1"),  # published everywhere, reached on loopback
+    ("::", "http://[::1]:1234/v1"),
+    ("192.168.1.5", "http://192.168.1.5:1234/v1"),
+])
+def test_openai_base_url(host_ip: str, url: str) -> None:
+    assert serve._url(host_ip, 1234) == url
+
+
+@pytest.mark.parametrize("port", [0, 80, 1024, 65536])
+def test_privileged_or_impossible_ports_are_refused(port: int) -> None:
+    with pytest.raises(ApirctlError, match=f"port {port} is not allowed"):
+        serve.check_port("127.0.0.1", port)
+
+
+def test_host_ip_must_be_an_address() -> None:
+    with pytest.raises(ApirctlError, match="not an IP address"):
+        serve.check_port("localhost", 5000)
+
+
+def test_free_port_passes() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve.check_port("127.0.0.1", port)
+
+
+def test_labels_for_podman_ai_lab_and_ours(tmp_path: Path) -> None:
+    opts = serve.ServeOptions(model="m", port=4321)
+    labels = serve._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
+    assert labels["api"] == "http://127.0.0.1:4321/v1"
+    assert json.loads(labels["ai-lab-inference-server"]) == [str(tmp_path)]
+    assert (labels["apirctl.model"], labels["apirctl.transport"], labels["llama-cpp.apir"]) == ("demo", "none", "false")
+    again = serve._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
+    assert labels["trackingId"] != again["trackingId"]  # one per server, as the extension makes them
+    virtgpu = serve._labels(opts, transport.virtgpu_plan(999), tmp_path / "m.gguf", "demo")
+    assert virtgpu["llama-cpp.apir"] == "true" and virtgpu["gpu"] == "llama.cpp API Remoting"
+
+
+def test_llama_server_command_line() -> None:
+    opts = serve.ServeOptions(model="m", ctx_size=2048, threads=3, api_key="k")
+    command = serve._llama_command(opts, "file.gguf", "demo")
+    assert command[:4] == ["--model", "/models/file.gguf", "--host", "0.0.0.0"]
+    assert command[command.index("--port") + 1] == "8000" and command[command.index("--ctx-size") + 1] == "2048"
+    assert command[-4:] == ["--threads", "3", "--api-key", "k"]
+
+
+def test_options_take_settings_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APIRCTL_PORT", "2345")
+    monkeypatch.setenv("APIRCTL_HEALTH_TIMEOUT", "12")
+    opts = serve.options("m", ctx_size=None, name="x", keep=True)
+    assert (opts.port, opts.timeout, opts.name, opts.keep, opts.ctx_size) == (2345, 12.0, "x", True, 4096)
+    assert serve.options("m", port=3456).port == 3456
+    with pytest.raises(ApirctlError, match="port"):
+        serve.options("m", port=80)
+
+
+def test_uptime_reads_like_podman() -> None:
+    now = datetime.now(timezone.utc)
+    assert _uptime(now - timedelta(seconds=12), "running") == "12s"
+    assert _uptime(now - timedelta(minutes=5, seconds=3), "running") == "5m3s"
+    assert _uptime(now - timedelta(hours=2, minutes=13), "running") == "2h13m"
+    assert _uptime(now - timedelta(days=3, hours=1), "running") == "3d1h"
+    assert _uptime(now, "exited") == "-"
