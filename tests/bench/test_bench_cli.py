@@ -205,3 +205,31 @@ def test_serving_load_against_an_apirctl_server(
     finally:
         run_cli("stop", name)
     one_line_error(run_cli("bench", "--server", name, "--requests", "1"), name)
+
+
+def test_a_server_that_is_not_openai_compatible_is_one_line(tmp_path: Path) -> None:
+    """A real HTTP server on the loopback that answers 404 to /v1/models."""
+    import http.server
+    import threading
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        one_line_error(run_cli("bench", "--url", url, "--requests", "1"), "HTTP 404")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.integration
+def test_serving_time_limit_cancels_and_counts_errors(llama_server: Server) -> None:
+    """Loops are bounded in time: requests still running at the limit are cancelled and counted."""
+    proc = run_cli("bench", "--url", llama_server.url, "--concurrency", "2", "--requests", "4", "--max-tokens",
+                   "512", "--time-limit", "0.05", "--json", "--no-save")
+    assert proc.returncode == 0, proc.stderr
+    level = json.loads(proc.stdout)["levels"][0]
+    assert level["timed_out"] is True
+    assert level["errors"] == level["requests"] - level["completed"] >= 1
+    assert "time limit" in level["error_sample"]

@@ -249,3 +249,14 @@ def test_remoting_keeps_one_gpu_layers_flag() -> None:
     assert "--n-gpu-layers" not in kept and "-ngl" not in kept
     assert kept[kept.index("--rpc") + 1].endswith(":50052")
     assert modes.without_flag(["-ngl=5", "-x", "1"], ("-ngl",)) == ["-x", "1"]
+
+
+def test_compare_serving_levels_knows_lower_is_better() -> None:
+    def serving(run_id: str, ttft: float, tps: float) -> Run:
+        level = LevelResult(concurrency=4, requests=8, completed=8, errors=0, ttft_p50_ms=ttft, output_tps_total=tps)
+        return Run(id=run_id, created="x", kind="serving", model="m", system=system(), levels=[level])
+
+    changes = {c.metric: c for c in results.compare(serving("a", 100.0, 50.0), serving("b", 50.0, 100.0))}
+    assert changes["ttft_p50_ms"].change == pytest.approx(-0.5) and changes["ttft_p50_ms"].better is True
+    assert changes["output_tps_total"].change == pytest.approx(1.0) and changes["output_tps_total"].better is True
+    assert changes["errors"].change is None  # 0 -> 0: no relative change to speak of
