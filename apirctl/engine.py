@@ -444,7 +444,24 @@ def discover(start: bool = True) -> Endpoint:
                 return endpoint
     if not start:
         raise ApirctlError("no Podman API answers", hint="run any apirctl command that needs podman to start one")
-    return start_service()
+    with _service_lock():  # two apirctl processes in one home start one service, not two
+        record = service_record()
+        if record and answers(record.url):
+            return Endpoint(url=record.url, source="apirctl service", started_by_apirctl=True)
+        return start_service()
+
+
+@contextlib.contextmanager
+def _service_lock() -> Iterator[None]:
+    import fcntl
+
+    path = ensure(dirs().state) / "podman-service.lock"
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 # One client per process and environment: discovery pings sockets, which serve's hot path must

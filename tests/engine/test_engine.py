@@ -218,3 +218,20 @@ def test_macos_socket_comes_from_podman_machine_inspect(tmp_path: Path, monkeypa
     assert err.value.hint and "machine restart" in err.value.hint
     assert engine.service_record() is None  # never a local service on macOS
     assert not engine.runtime_decision().restricted  # and no probe: containers run in the VM
+
+
+@pytest.mark.integration
+def test_concurrent_commands_start_one_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _isolate_sockets(monkeypatch, tmp_path)
+    rootful = engine.default_sockets()[0]
+    if rootful.source == "rootful" and engine.answers(rootful.url) and not engine.runtime_decision().restricted:
+        pytest.skip("a rootful podman service answers here; discovery rightly uses it")
+    engine.runtime_decision()  # probe once up front, so the three children only race for the service
+    code = "from apirctl import engine; print(engine.discover().url)"
+    children = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    urls = {child.communicate(timeout=120)[0].strip() for child in children}
+    record = engine.service_record()
+    assert record is not None and urls == {record.url}
+    services = subprocess.run(["pgrep", "-f", f"system service --time=.* {record.url}$"], capture_output=True,
+                              text=True).stdout.split()
+    assert services == [str(record.pid)]
