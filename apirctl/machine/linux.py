@@ -297,6 +297,7 @@ def status(name: str | None = None) -> MachineStatus:
                    RESTART_HINT, **common)
     memory = [f"{d.free // 2**20} MiB free of {d.total // 2**20} MiB" for d in info.devices]
     details = dict(device=", ".join(devices) or record.device or "server default", memory="; ".join(memory),
+                   memory_bytes=[{"index": d.index, "free": d.free, "total": d.total} for d in info.devices],
                    protocol=info.version, uptime=uptime, cache=record.cache_dir if record.cache else "off",
                    **common)
     return _st(MachineState.READY, f"the host RPC backend is ready on {record.host}:{record.port}", None, **details)

@@ -69,6 +69,7 @@ def test_restart_status_logs_stop(with_build: object) -> None:
         assert details["port"] == port and details["pid"] == record.pid
         assert details["protocol"].startswith("7.") and "MiB free of" in details["memory"]
         assert details["device"]  # from the server's own "Devices:" lines
+        assert all(0 < d["free"] <= d["total"] for d in details["memory_bytes"])
         logs = cli("machine", "logs", "--tail", "100")
         assert logs.returncode == 0 and "Starting RPC server" in logs.stdout and f"127.0.0.1:{port}" in logs.stdout
     finally:
