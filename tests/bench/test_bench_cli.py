@@ -73,8 +73,9 @@ def test_native_and_container_rows_json_plot_history(
 
 @pytest.mark.integration
 def test_remoting_skips_with_a_reason_when_no_backend_runs(llama_build: Any, demo_model: Path) -> None:
+    env = dict(os.environ, APIRCTL_RPC_PORT=str(free_port()))  # nothing of anyone's listens there
     proc = run_cli("bench", str(demo_model), "--modes", "remoting,native", "--reps", "1", "--pp", "16",
-                   "--tg", "4", "--threads", "2", "--json", "--no-save")
+                   "--tg", "4", "--threads", "2", "--json", "--no-save", env=env)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)["rows"]
     remoting = [r for r in rows if r["mode"] == "remoting"]
