@@ -1,8 +1,9 @@
 """Startup time of `apirctl --help` / `--version` against a bare Typer app with the same commands.
 
-The bare app is generated from apirctl's own command tree (names, groups, one option each), so the
-only difference is what apirctl imports at start-up. Both run interleaved in one process loop;
-the script prints the medians and the ratio. Target: ratio <= 1.10.
+The bare app is generated from apirctl's own command tree (the same groups, commands, arguments and
+options with their types; empty bodies), so the difference is what apirctl itself does at start-up.
+Both run interleaved in one process loop; the script prints the medians and the ratio.
+Target: ratio <= 1.10.
 
     python benchmarks/cli_startup.py [--runs 30]
 """
@@ -25,30 +26,66 @@ def command_tree() -> dict:
 
     group = typer.main.get_command(app)
 
+    def params(cmd) -> list[dict]:  # type: ignore[no-untyped-def]
+        out = []
+        for p in cmd.params:
+            if p.name in ("help", "install_completion", "show_completion", "version"):
+                continue
+            annotation = p.type_descriptor.annotation
+            multiple = getattr(annotation, "__origin__", None) is list
+            if multiple:
+                annotation = annotation.__args__[0]
+            kind = {int: "int", float: "float", bool: "bool"}.get(annotation, "str")
+            secondary = list(getattr(p, "secondary_opts", []) or [])
+            out.append({"name": p.name, "kind": kind, "argument": p.param_type_name == "argument",
+                        "opts": list(p.opts) + secondary, "secondary": secondary, "multiple": multiple})
+        return out
+
     def walk(cmd) -> dict:  # type: ignore[no-untyped-def]
-        subs = getattr(cmd, "commands", None)
-        return {name: walk(sub) for name, sub in subs.items()} if subs else {}
+        subs = getattr(cmd, "commands", None) or {}
+        return {"params": params(cmd), "commands": {name: walk(sub) for name, sub in subs.items()}}
 
     return walk(group)
+
+
+def signature(params: list[dict]) -> str:
+    parts = []
+    for p in params:
+        kind = f"list[{p['kind']}]" if p["multiple"] else p["kind"]
+        if p["argument"]:
+            parts.append(f"{p['name']}: {kind} = typer.Argument(None)")
+            continue
+        if p["kind"] == "bool" and p["secondary"]:
+            primary = [o for o in p["opts"] if o not in p["secondary"]]
+            decls = [repr("/".join(primary) + "/" + "/".join(p["secondary"]))]
+        else:
+            decls = [repr(o) for o in p["opts"]]
+        default = "False" if p["kind"] == "bool" else "None"
+        parts.append(f"{p['name']}: {kind} = typer.Option({default}, {', '.join(decls)}, help={p['name']!r})")
+    return ", ".join(parts)
 
 
 def bare_source(tree: dict) -> str:
     lines = ["import typer", "", "app = typer.Typer(no_args_is_help=True)", ""]
     counter = 0
 
-    def emit(parent: str, sub: dict) -> None:
+    def emit(parent: str, node: dict) -> None:
         nonlocal counter
-        for name, children in sub.items():
+        for name, child in node["commands"].items():
             counter += 1
-            if children:
+            if child["commands"]:
                 var = f"g{counter}"
                 lines.append(f"{var} = typer.Typer(help={name!r})")
                 lines.append(f"{parent}.add_typer({var}, name={name!r})")
-                emit(var, children)
+                if child["params"]:
+                    lines.append(f"@{var}.callback(invoke_without_command=True)")
+                    lines.append(f"def cb{counter}({signature(child['params'])}) -> None:")
+                    lines.append(f"    {name + ' group.'!r}")
+                emit(var, child)
             else:
                 lines.append(f"@{parent}.command({name!r})")
-                lines.append(f"def c{counter}(json_out: bool = typer.Option(False, '--json', help='json')) -> None:")
-                lines.append(f"    '''{name} command.'''")
+                lines.append(f"def c{counter}({signature(child['params'])}) -> None:")
+                lines.append(f"    {name + ' command.'!r}")
             lines.append("")
 
     emit("app", tree)
