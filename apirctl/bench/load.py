@@ -106,7 +106,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 async def model_name(client: httpx.AsyncClient, base: str) -> str | None:
     """The served model's id from /v1/models; also proves the endpoint is up."""
     try:
-        resp = await client.get(f"{base}/v1/models", timeout=10.0)
+        resp = await client.get(f"{base}/v1/models", timeout=30.0)
+    except httpx.TimeoutException:
+        raise ApirctlError(f"{base} did not answer /v1/models within 30 s",
+                           hint="is the server still loading its model? `apirctl ps` shows its health") from None
     except httpx.HTTPError as exc:
         raise ApirctlError(f"cannot reach {base}: {type(exc).__name__}: {exc}".rstrip(": "),
                            hint="start a server with `apirctl serve MODEL`, or check --url") from None

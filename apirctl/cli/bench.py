@@ -81,7 +81,7 @@ def bench(
     output = report.check_format("json" if json_ else fmt)
     if plot is not None:
         report.require_matplotlib()
-    if url or serving or server:
+    if url or serving or server or _serving_flags_given(ctx):
         if plot is not None:
             from apirctl.errors import ApirctlError
 
@@ -89,6 +89,14 @@ def bench(
         _serving(url, server, model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit)
         return
     _llama_bench(model, modes, pp, tg, reps, ngl, threads, output, Path(plot) if plot else None, save)
+
+
+def _serving_flags_given(ctx: typer.Context) -> bool:
+    """`apirctl bench --concurrency 1,4` (serving flags, no --url): load the running apirctl server."""
+    names = ("concurrency", "requests", "prompt_tokens", "max_tokens", "time_limit")
+    given = any(getattr(ctx.get_parameter_source(n), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+                for n in names)
+    return given and ctx.params.get("model") is None
 
 
 def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl: int | None,
