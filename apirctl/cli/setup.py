@@ -47,11 +47,11 @@ def setup(
         print_json(result.model_dump(mode="json"))
         return
     console().print(f"[green]ready[/]: llama.cpp {result.host_build.source_version} "
-                    f"({result.host_build.backend}) in {result.host_build.bin_dir}")
+                    f"({result.host_build.backend}) in {result.host_build.bin_dir}", soft_wrap=True)
     if result.image:
-        console().print(f"  image: {result.image}")
+        console().print(f"  image: {result.image}", soft_wrap=True)
     if result.model:
-        console().print(f"  model: {result.model}")
+        console().print(f"  model: {result.model}", soft_wrap=True)
     console().print("[dim]next: apirctl doctor, apirctl machine restart --remoting, apirctl serve[/]")
 
 
