@@ -37,7 +37,9 @@ def _print(status: MachineStatus, json_out: bool) -> None:
     colour = "green" if good else "yellow"
     console().print(f"[bold {colour}]{escape(status.summary)}[/]")
     for key, value in status.details.items():
-        console().print(f"  {key}: {escape(str(value))}")
+        if isinstance(value, (list, dict)):
+            continue  # raw structures are for --json
+        console().print(f"  {key}: {escape(str(value))}", soft_wrap=True)
     if status.next_step:
         console().print(f"[dim]next: {escape(status.next_step)}[/]")
 
