@@ -205,3 +205,16 @@ def test_upstream_extension_server_is_listed_and_blocks_a_second_virtgpu(
         serve._one_virtgpu_at_a_time(transport.virtgpu_plan(999))
     assert err.value.hint and f"apirctl stop {name}" in err.value.hint
     serve._one_virtgpu_at_a_time(transport.Plan(transport="none", requested="none"))  # other transports may run
+
+
+def test_api_key_protects_the_api_but_not_health(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
+                   "--api-key", "s3cret", "--ctx-size", "1024", "--json")
+    assert done.returncode == 0, done.stderr
+    models = f"http://127.0.0.1:{port}/v1/models"
+    assert httpx.get(models, timeout=10).status_code == 401
+    assert httpx.get(models, timeout=10, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    row = next(s for s in json.loads(apirctl("ps", "--json").stdout) if s["name"] == name)
+    assert row["health"] == "ok"  # /health stays public, so ps can still tell
