@@ -617,11 +617,17 @@ def container_logs(container: Container, tail: int | None = None) -> str:
     return b"".join(data).decode(errors="replace")
 
 
-def follow_logs(container: Container, tail: int | None = None) -> Iterator[str]:
-    """Stream a container's log lines as they come (until it stops or the caller stops reading)."""
+def follow_logs(container: Container, tail: int | None = None, since: int | None = None) -> Iterator[str]:
+    """Stream a container's log lines as they come (until it stops or the caller stops reading).
+
+    `since` (Unix seconds) starts at a moment rather than a line count, so nothing written
+    between that moment and the start of the stream is lost.
+    """
     kwargs: dict[str, Any] = {"stdout": True, "stderr": True, "stream": True, "follow": True}
     if tail is not None:
         kwargs["tail"] = tail
+    if since is not None:
+        kwargs["since"] = since
     pending = b""
     for chunk in container.logs(**kwargs):
         pending += chunk if isinstance(chunk, bytes) else str(chunk).encode()

@@ -265,7 +265,9 @@ def _server(container: Container, probe_health: bool = True) -> Server:
     names = attrs.get("Names")
     name = names[0] if isinstance(names, list) and names else container.name
     image = attrs.get("Image") or ""
-    state_of_health = (health(url.removesuffix("/v1")) if url else "unreachable") if running and probe_health else "-"
+    state_of_health = "-"
+    if running and probe_health:  # 3 s: a server on a starved CPU is slow, not down
+        state_of_health = health(url.removesuffix("/v1"), timeout=3.0) if url else "unreachable"
     if transport == "rpc" and running and probe_health:  # its /health says ok until its next request
         from apirctl.machine import linux
 
@@ -524,14 +526,19 @@ def _wait_ready(container: Container, base: str, timeout: float) -> None:
 # --- logs and stop -----------------------------------------------------------------------------
 
 
-def logs(name: str | None = None, tail: int | None = None, follow: bool = False) -> Iterator[str]:
-    """A server's log lines (stopped servers too); with `follow`, until it stops."""
+def logs(
+    name: str | None = None, tail: int | None = None, follow: bool = False, since: int | None = None
+) -> Iterator[str]:
+    """A server's log lines (stopped servers too); with `follow`, until it stops.
+
+    `since` (Unix seconds, with `follow`) starts the stream at a moment instead of a line count.
+    """
     from apirctl import engine
 
     server = find_server(name, all=True) if name else find_server(None)
     container = _container(server)
     if follow:
-        yield from engine.follow_logs(container, tail=tail)
+        yield from engine.follow_logs(container, tail=tail, since=since)
         return
     text = engine.container_logs(container, tail=tail)
     yield from text.splitlines()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -54,8 +55,6 @@ def serve(
     OpenAI base URL and lines to paste. If the server exits or is not ready in time, its last
     log lines are shown and the container is removed (unless --keep).
     """
-    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
     from apirctl import config
     from apirctl import serve as lib
     from apirctl.cli.output import console, err_console, print_json
@@ -65,26 +64,12 @@ def serve(
         port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl, threads=threads,
         api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
     )
-    columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"), TimeElapsedColumn())
-    with Progress(*columns, console=err_console(), disable=json_out) as bar:
-        tasks: list[Any] = []
-
-        def on_phase(text: str) -> None:
-            if text not in ("model", "image", "container", "loading model", "ready"):
-                if tasks:  # a pull status line
-                    bar.update(tasks[-1], description=f"image: {text[:70]}")
-                return
-            if tasks:
-                bar.update(tasks[-1], total=1, completed=1)
-            if text != "ready":
-                tasks.append(bar.add_task(text, total=None))
-
+    with _Phases(live=err_console().is_terminal and not json_out, quiet=json_out) as phases:
         try:
-            started = lib.start(opts, progress=on_phase)
+            started = lib.start(opts, progress=phases.update)
+            ready_at = time.time()
         except lib.ServeFailed as exc:
-            if tasks:
-                bar.update(tasks[-1], description=f"[red]{bar.tasks[-1].description}: failed[/]")
-            bar.stop()
+            phases.fail()
             if exc.log_tail:
                 err_console().print("[dim]── last log lines ──[/]")
                 err_console().out(exc.log_tail, highlight=False)
@@ -109,11 +94,60 @@ def serve(
         out.print(f"  logs:  apirctl logs {server.name} -f", soft_wrap=True, highlight=False)
         out.print(f"  stop:  apirctl stop {server.name}", soft_wrap=True, highlight=False)
     if not detach:
-        _foreground(server.name)
+        _foreground(server.name, since=int(ready_at))
 
 
-def _foreground(name: str) -> None:
-    """Follow the logs; Ctrl-C stops and removes the server."""
+class _Phases:
+    """Serve's phases as they happen: a rich spinner per phase with its time on a terminal, one
+    plain line per phase on a pipe (rich's live display is not even imported there), nothing
+    with --json."""
+
+    PHASES = ("model", "image", "container", "loading model", "ready")
+
+    def __init__(self, live: bool, quiet: bool) -> None:
+        self.live, self.quiet = live, quiet
+        self.bar: Any = None
+        self.tasks: list[Any] = []
+
+    def __enter__(self) -> _Phases:
+        if self.live:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            from apirctl.cli.output import err_console
+
+            columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"),
+                       TimeElapsedColumn())
+            self.bar = Progress(*columns, console=err_console())
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, text: str) -> None:
+        if self.bar is None:
+            if not self.quiet and text in self.PHASES and text != "ready":
+                print(f"{text}...", file=sys.stderr, flush=True)
+            return
+        if text not in self.PHASES:  # a status line within the phase (image pull or build)
+            if self.tasks:
+                self.bar.update(self.tasks[-1], description=f"image: {text[:70]}")
+            return
+        if self.tasks:
+            self.bar.update(self.tasks[-1], total=1, completed=1)
+        if text != "ready":
+            self.tasks.append(self.bar.add_task(text, total=None))
+
+    def fail(self) -> None:
+        if self.bar is not None and self.tasks:
+            task = self.bar.tasks[-1]
+            self.bar.update(self.tasks[-1], description=f"[red]{task.description}: failed[/]")
+            self.bar.stop()
+
+
+def _foreground(name: str, since: int) -> None:
+    """Follow the logs from the moment the server was ready; Ctrl-C stops and removes it."""
     from apirctl import serve as lib
     from apirctl.cli.output import err_console
     from apirctl.errors import ApirctlError
@@ -121,7 +155,7 @@ def _foreground(name: str) -> None:
     err_console().print("[dim]following the server's log; Ctrl-C stops and removes it[/]")
     interrupted = False
     try:
-        for line in lib.logs(name, tail=0, follow=True):
+        for line in lib.logs(name, follow=True, since=since):
             print(line, flush=True)
     except KeyboardInterrupt:
         interrupted = True
