@@ -242,7 +242,8 @@ def _load(root: Path) -> Build | None:
 
 def external_build(path: Path) -> Build:
     """A llama.cpp build directory made elsewhere (APIRCTL_LLAMA_BUILD): its bin/ is used as is."""
-    bin_dir = path / "bin" if (path / "bin").is_dir() else path
+    # A CMake build dir (bin/), apirctl's own cache entry (cmake/bin/), or the folder of binaries itself.
+    bin_dir = next((d for d in (path / "bin", path / "cmake" / "bin") if d.is_dir()), path)
     if not (bin_dir / "llama-server").exists():
         raise ApirctlError(f"APIRCTL_LLAMA_BUILD={path}: no llama-server in {bin_dir}")
     names = {p.name for p in bin_dir.iterdir()}

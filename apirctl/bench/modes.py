@@ -174,6 +174,11 @@ def run_remoting(ctx: Context) -> ModeOutcome:
         why = status.summary if status else "no remoting backend on this host"
         step = (status.next_step if status else None) or "start one with `apirctl machine restart --remoting`"
         raise Skipped(f"remoting is not ready: {why} ({step})")
+    status = transport.machine_status()
+    if status is not None and status.state == 1:  # MachineState.SERVING
+        users = status.details.get("serving") or "an inference server"
+        raise Skipped(f"the remoting backend serves one client at a time and is in use by {users} "
+                      f"(stop it with `apirctl stop` to bench remoting)")
     ctx.facts["transport"] = plan.transport
     # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
     plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})

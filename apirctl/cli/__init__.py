@@ -71,8 +71,15 @@ app.add_typer(apir.app, name="apir")
 
 def main() -> None:
     """Console entry point: run the app, turning user-facing errors into one line and an exit code."""
+    import signal
+
     from apirctl.errors import ApirctlError
 
+    def _terminate(signum: int, frame: object) -> None:
+        # `kill`/`timeout` get the same clean-up as Ctrl-C: containers and processes we started go away.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         app()
     except ApirctlError as exc:

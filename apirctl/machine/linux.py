@@ -360,8 +360,10 @@ def _spawn(build: Build, port: int, device: str | None, threads: int | None, cac
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         fh.write(f"--- apirctl: {stamp} starting {' '.join(args)}\n".encode())
         fh.flush()
+        # restore_signals=False keeps SIGPIPE ignored (Python's own setting) in the server: a client
+        # that vanishes mid-reply (a killed container) then costs the server a failed write, not its life.
         child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+                                 start_new_session=True, restore_signals=False)
     _children.append(child)
     record = BackendRecord(pid=child.pid, port=port, device=device, threads=threads, cache=cache,
                            cache_dir=str(cache_dir() / "rpc") if cache else None, log=str(log),

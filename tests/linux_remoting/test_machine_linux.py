@@ -132,3 +132,29 @@ def test_a_killed_backend_is_reported_down(backend: int) -> None:
         assert probe.connect_ex(("127.0.0.1", backend)) != 0
     back = linux.restart(RestartOptions(remoting=True, port=backend, cache=False))
     assert back.state == MachineState.READY
+
+
+@pytest.mark.integration
+def test_a_client_that_vanishes_mid_reply_does_not_kill_the_backend(backend: int) -> None:
+    """ggml-rpc-server dies of SIGPIPE when it answers a client that is gone (a killed container),
+    unless it inherits SIGPIPE ignored: apirctl starts it that way."""
+    import struct
+
+    from apirctl.machine import rpc_client
+
+    record = linux.read_record()
+    assert record is not None
+    hello = struct.pack("<BQ", int(rpc_client.Command.HELLO), rpc_client.CAPS_SIZE) + bytes(rpc_client.CAPS_SIZE)
+    count = struct.pack("<BQ", int(rpc_client.Command.DEVICE_COUNT), 0)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", backend), timeout=5) as sock:
+            sock.sendall(hello + count * 64)  # queued requests whose answers find the socket closed
+    deadline = time.monotonic() + 10
+    while True:
+        status = linux.status()
+        if status.state == MachineState.READY:
+            break
+        assert linux.is_backend_process(record.pid), "the backend died when its client vanished"
+        assert time.monotonic() < deadline, status.summary
+        time.sleep(0.1)
+    assert linux.is_backend_process(record.pid)
