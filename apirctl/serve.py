@@ -45,6 +45,9 @@ L_VERSION = "apirctl.version"
 L_MODEL = "apirctl.model"
 L_TRANSPORT = "apirctl.transport"
 L_HOST_IP = "apirctl.host-ip"
+L_RPC_BACKENDS = "apirctl.rpc-backends"  # --rpc-backend addresses, comma-separated, as given
+L_VIA_SSH = "apirctl.via-ssh"
+L_TUNNELS = "apirctl.ssh-tunnels"  # pids of the SSH tunnels this server uses (closed by `stop`)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
 L_APIR = "llama-cpp.apir"
 L_API = "api"
@@ -74,6 +77,10 @@ class ServeOptions(BaseModel):
     keep: bool = False
     timeout: float = 300.0
     rpc_port: int = 50052
+    rpc_backends: list[str] = Field(default_factory=list)  # explicit backends; implies transport rpc
+    via_ssh: str | None = None  # USER@HOST[:PORT] that tunnels every backend
+    insecure_network: bool = False  # allow plain non-loopback backends
+    ssh_options: list[str] = Field(default_factory=list)  # extra `ssh -o` options (IdentityFile=...)
     llama_args: list[str] = Field(default_factory=list)
 
 
@@ -91,6 +98,8 @@ class Server(BaseModel):
     created: datetime | None = None
     image: str = ""
     managed: bool = True  # False for servers of the upstream extension
+    rpc_backends: list[str] = Field(default_factory=list)  # explicit --rpc-backend addresses
+    tunnels: list[int] = Field(default_factory=list)  # pids of its SSH tunnels
 
     @property
     def base(self) -> str:
@@ -132,6 +141,12 @@ def options(model: str, **flags: Any) -> ServeOptions:
     from apirctl import config
 
     keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port")
+    if flags.get("rpc_backends"):
+        if flags.get("transport") not in (None, "rpc"):
+            raise ApirctlError(f"--rpc-backend uses the rpc transport, not --transport {flags['transport']}")
+        flags = {**flags, "transport": "rpc"}
+    elif flags.get("via_ssh") or flags.get("insecure_network"):
+        raise ApirctlError("--via-ssh and --insecure-network only apply with --rpc-backend HOST:PORT")
     known = {k: v for k, v in flags.items() if k in keys}
     settings = config.load(known).settings
     values: dict[str, Any] = {k: getattr(settings, k) for k in keys}
@@ -265,13 +280,13 @@ def _server(container: Container, probe_health: bool = True) -> Server:
     names = attrs.get("Names")
     name = names[0] if isinstance(names, list) and names else container.name
     image = attrs.get("Image") or ""
+    backends = [b for b in labels.get(L_RPC_BACKENDS, "").split(",") if b]
+    tunnel_pids = [int(p) for p in labels.get(L_TUNNELS, "").split(",") if p.isdigit()]
     state_of_health = "-"
     if running and probe_health:  # 3 s: a server on a starved CPU is slow, not down
         state_of_health = health(url.removesuffix("/v1"), timeout=3.0) if url else "unreachable"
     if transport == "rpc" and running and probe_health:  # its /health says ok until its next request
-        from apirctl.machine import linux
-
-        state_of_health = linux.backend_problem() or state_of_health
+        state_of_health = _rpc_problem(backends, tunnel_pids) or state_of_health
     return Server(
         name=str(name).lstrip("/"),
         id=container.id,
@@ -284,7 +299,25 @@ def _server(container: Container, probe_health: bool = True) -> Server:
         created=_created(attrs),
         image=str(image),
         managed=ours,
+        rpc_backends=backends,
+        tunnels=tunnel_pids,
     )
+
+
+def _rpc_problem(backends: list[str], tunnel_pids: list[int]) -> str | None:
+    """Why an rpc server cannot work now: its SSH tunnel is gone, or (no explicit backends) the
+    host backend is down."""
+    if backends:
+        if tunnel_pids:
+            from apirctl import tunnel
+
+            alive = {t.pid for t in tunnel.tunnels()}
+            if not set(tunnel_pids) <= alive:
+                return "ssh tunnel down"
+        return None
+    from apirctl.machine import linux
+
+    return linux.backend_problem()
 
 
 def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]:  # noqa: A002
@@ -351,7 +384,13 @@ def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None) -> 
 
 
 def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str) -> dict[str, str]:
+    remote = {L_RPC_BACKENDS: ",".join(opts.rpc_backends)} if opts.rpc_backends else {}
+    if opts.via_ssh:
+        remote[L_VIA_SSH] = opts.via_ssh
+    if plan.tunnels:
+        remote[L_TUNNELS] = ",".join(str(pid) for pid in plan.tunnels)
     return {
+        **remote,
         L_VERSION: __version__,
         L_MODEL: model_name,
         L_TRANSPORT: plan.transport,
@@ -413,15 +452,38 @@ def _one_virtgpu_at_a_time(plan: Plan) -> None:
             )
 
 
+def _check_remote(opts: ServeOptions) -> None:
+    """Refuse bad --rpc-backend/--via-ssh input before anything is fetched, created or opened."""
+    from apirctl import transport, tunnel
+    from apirctl.engine import on_macos
+
+    if on_macos():
+        raise ApirctlError("--rpc-backend is for Linux hosts", hint="on macOS use `--transport virtgpu`")
+    if opts.via_ssh:
+        for text in opts.rpc_backends:
+            transport.parse_endpoint(text)
+        tunnel.split_via(opts.via_ssh)
+    else:  # no tunnels are opened without --via-ssh: this only decides the refusal
+        transport.remote_rpc_plan(opts.rpc_backends, opts.ngl, insecure_network=opts.insecure_network)
+
+
+def _remote_plan(opts: ServeOptions) -> Plan:
+    """The rpc wiring of explicit backends; with --via-ssh this opens (and records) the tunnels."""
+    from apirctl import transport
+
+    ssh_args = [arg for option in opts.ssh_options for arg in ("-o", option)]
+    return transport.remote_rpc_plan(opts.rpc_backends, opts.ngl, via_ssh=opts.via_ssh,
+                                     insecure_network=opts.insecure_network, ssh_args=ssh_args)
+
+
 def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
     """Create the container, start it and wait until /health says ok.
 
     `progress` is called with each phase's name as it begins. On failure the container's last
-    log lines come with the error (`ServeFailed.log_tail`) and the container is removed unless
-    `opts.keep`.
+    log lines come with the error (`ServeFailed.log_tail`), the container is removed unless
+    `opts.keep`, and SSH tunnels opened for it are closed.
     """
-    from apirctl import engine, transport
-    from apirctl.engine import BindMount, ContainerSpec
+    from apirctl import transport
 
     phases: list[Phase] = []
     current: list[tuple[str, float]] = []
@@ -436,11 +498,35 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
             progress(name)
 
     check_port(opts.host_ip, opts.port)
-    plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port)
-    _one_virtgpu_at_a_time(plan)
+    if opts.rpc_backends:
+        _check_remote(opts)
+        plan = None
+    else:
+        plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port)
+        _one_virtgpu_at_a_time(plan)
     phase("model")
     model = resolve_model(opts.model)
     name = _pick_name(opts, model.name)
+    if plan is None:
+        if opts.via_ssh:
+            phase("ssh tunnels")
+        plan = _remote_plan(opts)
+    try:
+        server = _start_container(opts, plan, model, name, phase, progress)
+    except BaseException:
+        if plan.tunnels:  # a kept container cannot use them either: it has exited
+            from apirctl import tunnel
+
+            tunnel.close(plan.tunnels)
+        raise
+    return Started(server=server, phases=phases, notice=plan.notice)
+
+
+def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str,
+                     phase: ProgressFn, progress: ProgressFn | None) -> Server:
+    """Image, container, start, wait for /health; a failed container is removed (unless --keep)."""
+    from apirctl import engine
+    from apirctl.engine import BindMount, ContainerSpec
 
     phase("image")
     image_ref = _image_for(opts, plan, progress)
@@ -477,8 +563,7 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
         if isinstance(exc, ApirctlError):
             raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
         raise
-    server = _server(container_by_id(container.id))
-    return Started(server=server, phases=phases, notice=plan.notice)
+    return _server(container_by_id(container.id))
 
 
 def container_by_id(container_id: str) -> Container:
@@ -567,4 +652,8 @@ def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002
         with contextlib.suppress(ApirctlError):
             engine.remove(_container(server), timeout=STOP_TIMEOUT)
             stopped.append(server.name)
+        if server.tunnels and server.name in stopped:
+            from apirctl import tunnel
+
+            tunnel.close(server.tunnels)
     return stopped

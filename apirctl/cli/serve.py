@@ -14,10 +14,20 @@ SERVE_EPILOG = (
     "Examples:\n\n"
     "  apirctl serve smollm2                      # the demo model, http://127.0.0.1:1234/v1\n\n"
     "  apirctl serve ./model.gguf --port 8080 --transport none\n\n"
-    "  apirctl serve smollm2 -- --temp 0.2        # anything after -- goes to llama-server"
+    "  apirctl serve smollm2 -- --temp 0.2        # anything after -- goes to llama-server\n\n"
+    "  apirctl serve smollm2 --rpc-backend 127.0.0.1:50052 --via-ssh me@gpu-box   # a remote GPU host"
 )
 
 _LLAMA_ARGS = typer.Argument(None, help="Extra llama-server flags, after `--`.", show_default=False)
+_RPC_BACKEND = typer.Option(
+    None, "--rpc-backend", metavar="HOST:PORT",
+    help="A llama.cpp RPC backend (`apirctl machine restart --remoting` on that host); repeat it to "
+    "split the layers across several. Implies --transport rpc.",
+)
+_SSH_OPTION = typer.Option(
+    None, "--ssh-option", metavar="KEY=VALUE",
+    help="An extra `ssh -o` option for --via-ssh (repeatable), e.g. IdentityFile=~/.ssh/gpu.",
+)
 
 
 def serve(
@@ -48,6 +58,18 @@ def serve(
     keep: bool = typer.Option(False, "--keep", help="Keep the container when it fails, for inspection."),
     timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
     json_out: bool = typer.Option(False, "--json", help="Print the server as JSON once ready."),
+    rpc_backend: list[str] = _RPC_BACKEND,
+    via_ssh: str = typer.Option(
+        None, "--via-ssh", metavar="USER@HOST[:PORT]",
+        help="Reach the --rpc-backend addresses through an SSH tunnel to this host (addresses as it sees "
+        "them, e.g. 127.0.0.1:50052). `apirctl stop` closes the tunnel.",
+    ),
+    insecure_network: bool = typer.Option(
+        False, "--insecure-network",
+        help="Allow a plain non-loopback --rpc-backend: the RPC protocol has no authentication, so anyone "
+        "on that network can use the backend and its host's memory.",
+    ),
+    ssh_option: list[str] = _SSH_OPTION,
 ) -> None:
     """Start llama-server in a container on a model and wait until it answers.
 
@@ -63,6 +85,8 @@ def serve(
         model or config.settings().default_model,
         port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl, threads=threads,
         api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
+        rpc_backends=list(rpc_backend or []), via_ssh=via_ssh, insecure_network=insecure_network or None,
+        ssh_options=list(ssh_option or []),
     )
     with _Phases(live=err_console().is_terminal and not json_out, quiet=json_out) as phases:
         try:
@@ -102,7 +126,7 @@ class _Phases:
     plain line per phase on a pipe (rich's live display is not even imported there), nothing
     with --json."""
 
-    PHASES = ("model", "image", "container", "loading model", "ready")
+    PHASES = ("model", "ssh tunnels", "image", "container", "loading model", "ready")
 
     def __init__(self, live: bool, quiet: bool) -> None:
         self.live, self.quiet = live, quiet
