@@ -37,6 +37,9 @@ class Settings(BaseModel):
     rpc_port: int = Field(50052, gt=1024, lt=65536, description="port of the host RPC remoting backend")
     rpc_cache: bool = Field(True, description="let the RPC backend cache model weights on disk")
     build_jobs: int | None = Field(None, ge=1, description="parallel jobs for the llama.cpp build")
+    cuda_architectures: str | None = Field(
+        None, description="CUDA architectures of the host build, e.g. 90 (CMAKE_CUDA_ARCHITECTURES; default: CMake's)"
+    )
     machine_name: str | None = Field(None, description="podman machine name (macOS)")
     model_aliases: dict[str, str] = Field(default_factory=dict, description="extra model short names")
 

@@ -141,7 +141,12 @@ def detect_backend() -> Backend:
 
 def host_options(backend: Backend | None = None) -> BuildOptions:
     chosen = backend or detect_backend()
-    return BuildOptions(backend=chosen, virtgpu_backend=True)
+    arch = None
+    if chosen == "cuda":  # part of the cache key, so read on every lookup, not only by `apirctl setup`
+        from apirctl import config
+
+        arch = config.settings().cuda_architectures
+    return BuildOptions(backend=chosen, virtgpu_backend=True, cuda_architectures=arch)
 
 
 def container_options() -> BuildOptions:

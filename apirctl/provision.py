@@ -19,19 +19,23 @@ StepFn = Callable[[str], None]
 
 class SetupResult(BaseModel):
     host_build: Build
-    container_build: Build
+    container_build: Build | None  # None: a GPU host set up without the image needs no CPU container build
     image: str | None
     model: Path | None
 
 
 def builds(jobs: int | None = None, on_step: StepFn | None = None,
-           progress: ProgressFn | None = None, backend: llamacpp.Backend | None = None) -> tuple[Build, Build]:
-    """The host build (GPU backend + RPC + virtgpu host library) and the container build."""
+           progress: ProgressFn | None = None, backend: llamacpp.Backend | None = None,
+           container: bool = True) -> tuple[Build, Build]:
+    """The host build (GPU backend + RPC + virtgpu host library) and the container build.
+
+    `container=False` skips the second (CPU) build of a GPU host and returns the host build twice.
+    """
     host_opts = llamacpp.host_options(backend)
     if on_step:
         on_step(f"llama.cpp {llamacpp.SOURCE_VERSION} for the host ({host_opts.backend})")
     host = llamacpp.build(host_opts, jobs=jobs, progress=progress)
-    if host_opts.backend == "cpu":
+    if host_opts.backend == "cpu" or not container:
         return host, host
     if on_step:
         on_step("llama.cpp for the container (CPU + RPC)")
@@ -41,7 +45,8 @@ def builds(jobs: int | None = None, on_step: StepFn | None = None,
 def run(jobs: int | None = None, with_image: bool = True, with_model: bool = True,
         on_step: StepFn | None = None, progress: ProgressFn | None = None,
         model_ref: str | None = None) -> SetupResult:
-    host, container = builds(jobs, on_step, progress)
+    # Only the image needs the CPU container build: without it, a GPU host builds once.
+    host, container = builds(jobs, on_step, progress, container=with_image)
     tag = None
     if with_image:
         from apirctl import image
@@ -57,4 +62,5 @@ def run(jobs: int | None = None, with_image: bool = True, with_model: bool = Tru
         if on_step:
             on_step(f"model {ref}")
         model_path = models.resolve(ref, pull=True, quiet=on_step is None).path
-    return SetupResult(host_build=host, container_build=container, image=tag, model=model_path)
+    skipped = not with_image and host.backend != "cpu"
+    return SetupResult(host_build=host, container_build=None if skipped else container, image=tag, model=model_path)

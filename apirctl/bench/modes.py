@@ -2,7 +2,10 @@
 
 - native: the host build's llama-bench on the host's best backend (the reference).
 - remoting: llama-bench in the container, its GGML backend calls going to the host
-  through the active transport (rpc on Linux, virtgpu on macOS).
+  through the active transport (rpc on Linux, virtgpu on macOS). With the host client
+  (`client="host"`, or where no container engine is installed) the host build's own
+  llama-bench is the client instead, with its local GPUs hidden: the rpc path without
+  the container's network, e.g. on a GPU machine that has no podman.
 - container: llama-bench in the same container with no remoting (CPU only).
 
 A mode that cannot run here (no build, no image, no remoting backend) becomes rows
@@ -12,6 +15,8 @@ a failure that the caller reports after showing what did run.
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +42,7 @@ class ModeOutcome:
     backend: str | None = None
     skipped: str | None = None
     failed: str | None = None
+    client: str | None = None  # where llama-bench ran: "host" or "container"
 
 
 @dataclass
@@ -47,6 +53,7 @@ class Context:
     params: Params
     filename: str = ""
     on_event: EventFn | None = None
+    client: str = "container"  # the remoting client: "container" or "host"
     facts: dict[str, Any] = field(default_factory=dict)
 
     def progress(self, mode: str) -> Callable[[str, int, int], None]:
@@ -112,7 +119,7 @@ def run_native(ctx: Context) -> ModeOutcome:
     ctx.facts.setdefault("llama_cpp", build.source_version)
     argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params)]
     results = run_process(argv, ctx.params, ctx.progress("native"))
-    return ModeOutcome("native", results, backend=_backend_label(results, build.backend))
+    return ModeOutcome("native", results, backend=_backend_label(results, build.backend), client="host")
 
 
 def _image(ctx: Context) -> str:
@@ -155,7 +162,7 @@ def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[R
 
 def run_container(ctx: Context) -> ModeOutcome:
     results = run_in_container(ctx, "container")
-    return ModeOutcome("container", results, backend=_backend_label(results, "cpu"))
+    return ModeOutcome("container", results, backend=_backend_label(results, "cpu"), client="container")
 
 
 def run_remoting(ctx: Context) -> ModeOutcome:
@@ -180,10 +187,42 @@ def run_remoting(ctx: Context) -> ModeOutcome:
         raise Skipped(f"the remoting backend serves one client at a time and is in use by {users} "
                       f"(stop it with `apirctl stop` to bench remoting)")
     ctx.facts["transport"] = plan.transport
-    # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
-    plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
-    results = run_in_container(ctx, "remoting", plan)
-    return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport))
+    client = ctx.client
+    if client == "container" and shutil.which("podman") is None:
+        client = "host"
+        ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
+    if client == "host":
+        if plan.transport != "rpc":
+            raise Skipped(f"the host client reaches the backend over rpc only, not {plan.transport} "
+                          f"(use --client container)")
+        details = status.details if status is not None else {}
+        results = run_host_client(ctx, str(details.get("host") or "127.0.0.1"),
+                                  int(details.get("port") or settings.rpc_port))
+    else:
+        # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
+        plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
+        results = run_in_container(ctx, "remoting", plan)
+    return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport), client=client)
+
+
+#: Hide the host client's own GPUs, so that every offloaded layer goes to the remoting backend.
+_NO_LOCAL_GPU = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": "", "GGML_VK_VISIBLE_DEVICES": ""}
+
+
+def client_endpoint(host: str, port: int) -> str:
+    """The address the host client dials: a backend bound to every address is reached on loopback."""
+    if host in ("", "0.0.0.0", "::"):
+        host = "127.0.0.1"
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def run_host_client(ctx: Context, host: str, port: int) -> list[Result]:
+    """The host build's llama-bench as the rpc client (one -ngl: ours; one --rpc: the backend)."""
+    build = _host_build()
+    ctx.facts.setdefault("llama_cpp", build.source_version)
+    extra = ["--rpc", client_endpoint(host, port)]
+    argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params, extra=extra)]
+    return run_process(argv, ctx.params, ctx.progress("remoting"), env=dict(os.environ) | _NO_LOCAL_GPU)
 
 
 def without_flag(args: Sequence[str], names: tuple[str, ...]) -> list[str]:
@@ -226,13 +265,14 @@ def rows_from(outcomes: list[ModeOutcome], params: Params) -> list[Row]:
     for outcome in outcomes:
         if not outcome.results:
             reason = outcome.skipped or (f"failed: {outcome.failed}" if outcome.failed else "no results")
-            rows += [Row(mode=outcome.mode, backend=outcome.backend, test=test, skipped_reason=reason)
+            rows += [Row(mode=outcome.mode, backend=outcome.backend, client=outcome.client, test=test,
+                         skipped_reason=reason)
                      for test in params.tests()]
             continue
         for r in outcome.results:
             base = native_tps.get(r.test)
             rows.append(Row(
-                mode=outcome.mode, backend=outcome.backend, test=r.test, tps_mean=r.tps_mean,
+                mode=outcome.mode, backend=outcome.backend, client=outcome.client, test=r.test, tps_mean=r.tps_mean,
                 tps_std=r.tps_std, ratio_to_native=(r.tps_mean / base) if base else None,
                 samples_ts=r.samples_ts, n_gpu_layers=r.n_gpu_layers, n_threads=r.n_threads,
             ))
@@ -247,15 +287,25 @@ class Outcome:
     failures: list[str]
 
 
+CLIENTS = ("container", "host")
+
+
 def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
-        on_event: EventFn | None = None, filename: str | None = None) -> Outcome:
-    """Run the modes in order; a skipped mode does not stop the others, nor does a failed one."""
+        on_event: EventFn | None = None, filename: str | None = None, client: str = "container") -> Outcome:
+    """Run the modes in order; a skipped mode does not stop the others, nor does a failed one.
+
+    `client` picks where the remoting mode's llama-bench runs: "container" (the real path; the
+    host when no container engine is installed) or "host" (the rpc path without a container).
+    """
     from apirctl.bench import system
 
     params.validate()
+    if client not in CLIENTS:
+        raise ApirctlError(f"unknown remoting client {client!r} (known: {', '.join(CLIENTS)})")
     if not model_path.is_file():
         raise ApirctlError(f"model file {model_path} does not exist")
-    ctx = Context(model_path=model_path, params=params, on_event=on_event, filename=filename or model_path.name)
+    ctx = Context(model_path=model_path, params=params, on_event=on_event, filename=filename or model_path.name,
+                  client=client)
     outcomes: list[ModeOutcome] = []
     for mode in modes:
         if on_event:
@@ -271,10 +321,12 @@ def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
     raw = raw or next((o.results[0].raw for o in outcomes if o.results), None)
     info = system.collect(raw, host_backend=ctx.facts.get("host_backend"), transport=ctx.facts.get("transport"),
                           image=ctx.facts.get("image"), llama_cpp=ctx.facts.get("llama_cpp"))
+    if ctx.facts.get("client_note"):
+        info.extra["remoting_client"] = ctx.facts["client_note"]
     bench_run = Run(
         id=new_id(), created=now_iso(), kind="llama-bench", model=model_ref, model_file=str(model_path),
         params={"pp": params.pp, "tg": params.tg, "reps": params.reps, "ngl": params.ngl,
-                "threads": params.threads, "modes": list(modes)},
+                "threads": params.threads, "modes": list(modes), "client": client},
         system=info, rows=rows_from(outcomes, params),
     )
     return Outcome(bench_run, failures)

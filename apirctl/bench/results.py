@@ -23,6 +23,7 @@ class Row(BaseModel):
 
     mode: str
     backend: str | None = None
+    client: str | None = None  # where llama-bench ran: "host" or "container" (remoting has either)
     test: str
     tps_mean: float | None = None
     tps_std: float | None = None

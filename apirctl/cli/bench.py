@@ -60,6 +60,9 @@ def bench(
     reps: int = typer.Option(5, "--reps", "-r", help="Repetitions of each test (mean and std over them)."),
     ngl: int = typer.Option(None, "--ngl", help="Layers offloaded to the GPU backend [default: setting ngl]."),
     threads: int = typer.Option(None, "--threads", "-t", help="CPU threads [default: llama.cpp's choice]."),
+    client: str = typer.Option("container", "--client",
+                               help="Where remoting's llama-bench runs: container (the real path; the host when "
+                                    "podman is missing) or host (the host build over rpc, no container)."),
     fmt: str = typer.Option("table", "--format", "-f", help="Output: table, json, csv or md."),
     json_: bool = typer.Option(False, "--json", help="Same as --format json."),
     plot: str = typer.Option(None, "--plot", help="Also write a bar chart to this PNG (needs apirctl[plot])."),
@@ -88,7 +91,7 @@ def bench(
             raise ApirctlError("--plot draws llama-bench runs; serving results are tables only")
         _serving(url, server, model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit)
         return
-    _llama_bench(model, modes, pp, tg, reps, ngl, threads, output, Path(plot) if plot else None, save)
+    _llama_bench(model, modes, pp, tg, reps, ngl, threads, output, Path(plot) if plot else None, save, client)
 
 
 def _serving_flags_given(ctx: typer.Context) -> bool:
@@ -100,7 +103,7 @@ def _serving_flags_given(ctx: typer.Context) -> bool:
 
 
 def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl: int | None,
-                 threads: int | None, output: str, plot: Path | None, save: bool) -> None:
+                 threads: int | None, output: str, plot: Path | None, save: bool, client: str = "container") -> None:
     from apirctl import config
     from apirctl.bench import modes as bench_modes
     from apirctl.bench import report, results
@@ -108,6 +111,8 @@ def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl
     from apirctl.errors import ApirctlError
 
     chosen = bench_modes.parse_modes(modes)
+    if client not in bench_modes.CLIENTS:
+        raise ApirctlError(f"unknown --client {client!r} (known: {', '.join(bench_modes.CLIENTS)})")
     settings = config.settings(ngl=ngl, threads=threads)
     params = Params(pp=pp, tg=tg, reps=reps, ngl=settings.ngl, threads=settings.threads)
     params.validate()
@@ -128,7 +133,7 @@ def _llama_bench(model: str | None, modes: str, pp: int, tg: int, reps: int, ngl
             progress.update(task, completed=done, description=f"{mode} · {test} · {what}")
 
         outcome = bench_modes.run(model_file.label, model_file.path, chosen, params, on_event=on_event,
-                                  filename=model_file.filename)
+                                  filename=model_file.filename, client=client)
     run = outcome.run
     measured = any(r.tps_mean is not None for r in run.rows)
     if not measured and not outcome.failures:
