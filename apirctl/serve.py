@@ -19,7 +19,6 @@ import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
-from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +28,9 @@ from apirctl import __version__
 from apirctl.errors import ApirctlError
 
 if TYPE_CHECKING:
-    import httpx
     from podman.domain.containers import Container
 
+    from apirctl.engine import ContainerSpec
     from apirctl.transport import Plan
 
 CONTAINER_PORT = 8000
@@ -240,25 +239,27 @@ def _created(attrs: dict[str, Any]) -> datetime | None:
     return None
 
 
-@lru_cache(maxsize=1)
-def _http() -> httpx.Client:
-    """One HTTP client per process: making one costs tens of ms (its TLS context), a poll must not."""
-    import httpx
-
-    return httpx.Client(trust_env=False, verify=False)  # plain http to our own port
-
-
 def health(base: str, timeout: float = 1.0) -> str:
-    """llama-server's /health: ok, loading (503 while the model loads), error, or unreachable."""
-    import httpx
+    """llama-server's /health: ok, loading (503 while the model loads), error, or unreachable.
 
+    The standard library's http.client, not httpx: serve polls this every 20 ms right after its
+    own start, where importing httpx alone would cost more than the poll interval several times.
+    """
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
     try:
-        response = _http().get(f"{base}/health", timeout=timeout)
-    except httpx.HTTPError:
+        conn.request("GET", f"{parts.path.rstrip('/')}/health")
+        status = conn.getresponse().status
+    except (OSError, http.client.HTTPException):
         return "unreachable"
-    if response.status_code == 200:
+    finally:
+        conn.close()
+    if status == 200:
         return "ok"
-    if response.status_code == 503:
+    if status == 503:
         return "loading"
     return "error"
 
@@ -359,13 +360,67 @@ def _container(server: Server) -> Container:
 # --- starting ----------------------------------------------------------------------------------
 
 
-def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None) -> str:
+class _Api:
+    """serve's hot path on the Podman API: exists, create, start, inspect through `apirctl.libpod`
+    (no podman-py import), or through podman-py where the service URL needs it (ssh://)."""
+
+    def __init__(self) -> None:
+        from apirctl import engine, libpod
+
+        self.url = engine.discover().url
+        self.direct = libpod.supported(self.url)
+
+    def exists(self, kind: str, name: str) -> bool:
+        from apirctl import engine, libpod
+
+        if self.direct:
+            return libpod.exists(self.url, kind, name)
+        if kind == "images":
+            return engine.image_exists(name)
+        return bool(engine.client().containers.exists(name))
+
+    def create(self, spec: ContainerSpec) -> str:
+        from apirctl import engine, libpod
+
+        if not self.direct:
+            return str(engine.create(spec).id)
+        try:
+            return libpod.create(self.url, spec)
+        except libpod.LibpodError as exc:
+            if exc.status == 404 or re.search(r"image not known|no such image", exc.message, re.IGNORECASE):
+                local = spec.image.startswith("localhost/")
+                hint = "run `apirctl setup` to build it" if local else f"pull it with `podman pull {spec.image}`"
+                raise ApirctlError(f"image {spec.image} not found", hint=hint) from exc
+            raise engine.start_failure(exc, "podman refused to create the container") from exc
+
+    def start(self, container_id: str, name: str) -> None:
+        from apirctl import engine, libpod
+
+        try:
+            if self.direct:
+                libpod.start(self.url, container_id)
+            else:
+                container_by_id(container_id).start()
+        except Exception as exc:  # podman-py's APIError or libpod's refusal: keep the message, drop the trace
+            raise engine.start_failure(exc, f"cannot start {name}") from exc
+
+    def inspect(self, container_id: str) -> dict[str, Any]:
+        """The container's inspect data (libpod's shape: State.Status, Config.Labels, ...)."""
+        from apirctl import libpod
+
+        if self.direct:
+            return libpod.inspect(self.url, container_id)
+        container = container_by_id(container_id)
+        return dict(container.inspect()) if hasattr(container, "inspect") else dict(container.attrs)
+
+
+def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None, api: _Api) -> str:
     """The image to run: --image, else the transport's, else apirctl's local build."""
     from apirctl import engine
 
     chosen = opts.image or plan.image
     if chosen:
-        if not engine.image_exists(chosen):
+        if not api.exists("images", chosen):
             if chosen.startswith("localhost/"):
                 raise ApirctlError(f"image {chosen} does not exist", hint="build it with `apirctl setup`")
             engine.pull(chosen, on_status)
@@ -376,7 +431,7 @@ def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None) -> 
     if build is None:
         raise ApirctlError("the inference image is not built yet", exit_code=127, hint="run `apirctl setup`")
     tag = image.tag_for(build)
-    if engine.image_exists(tag):  # one API call instead of a podman process: serve's hot path
+    if api.exists("images", tag):  # one API call instead of a podman process: serve's hot path
         return tag
     if on_status:
         on_status(f"building {tag}")
@@ -419,13 +474,9 @@ def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list
     return command
 
 
-def _pick_name(opts: ServeOptions, model_name: str) -> str:
-    from apirctl import engine
-
-    containers = engine.client().containers
-
+def _pick_name(opts: ServeOptions, model_name: str, api: _Api) -> str:
     def exists(candidate: str) -> bool:
-        return bool(containers.exists(candidate))
+        return api.exists("containers", candidate)
 
     if opts.name:
         if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", opts.name):
@@ -506,13 +557,14 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
         _one_virtgpu_at_a_time(plan)
     phase("model")
     model = resolve_model(opts.model)
-    name = _pick_name(opts, model.name)
+    api = _Api()
+    name = _pick_name(opts, model.name, api)
     if plan is None:
         if opts.via_ssh:
             phase("ssh tunnels")
         plan = _remote_plan(opts)
     try:
-        server = _start_container(opts, plan, model, name, phase, progress)
+        server = _start_container(opts, plan, model, name, phase, progress, api)
     except BaseException:
         if plan.tunnels:  # a kept container cannot use them either: it has exited
             from apirctl import tunnel
@@ -523,13 +575,13 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
 
 
 def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str,
-                     phase: ProgressFn, progress: ProgressFn | None) -> Server:
+                     phase: ProgressFn, progress: ProgressFn | None, api: _Api) -> Server:
     """Image, container, start, wait for /health; a failed container is removed (unless --keep)."""
     from apirctl import engine
     from apirctl.engine import BindMount, ContainerSpec
 
     phase("image")
-    image_ref = _image_for(opts, plan, progress)
+    image_ref = _image_for(opts, plan, progress, api)
     spec = ContainerSpec(
         image=image_ref,
         name=name,
@@ -543,27 +595,31 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
     spec.command += opts.llama_args
 
     phase("container")
-    container = engine.create(spec)
+    container_id = api.create(spec)
     try:
-        try:
-            container.start()
-        except Exception as exc:  # podman-py raises APIError; keep the message, drop the trace
-            raise engine.start_failure(exc, f"cannot start {name}") from exc
+        api.start(container_id, name)
         phase("loading model")
         base = _url(opts.host_ip, opts.port).removesuffix("/v1")
-        _wait_ready(container, base, opts.timeout)
+        attrs = _wait_ready(api, container_id, base, opts.timeout)
         phase("ready")
     except BaseException as exc:
-        tail = _safe_tail(container)
-        if not opts.keep:
-            engine.remove(container, timeout=2)
+        tail = ""
+        with contextlib.suppress(Exception):  # podman-py only on the failure path
+            container = container_by_id(container_id)
+            tail = _safe_tail(container)
+            if not opts.keep:
+                engine.remove(container, timeout=2)
         if isinstance(exc, ServeFailed):
             exc.log_tail = exc.log_tail or tail
             raise
         if isinstance(exc, ApirctlError):
             raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
         raise
-    return _server(container_by_id(container.id))
+    return Server(
+        name=name, id=container_id, model=model.name, transport=plan.transport, url=_url(opts.host_ip, opts.port),
+        state="running", health="ok", port=opts.port, created=_created(attrs), image=image_ref,
+        rpc_backends=list(opts.rpc_backends), tunnels=list(plan.tunnels),
+    )
 
 
 def container_by_id(container_id: str) -> Container:
@@ -581,25 +637,29 @@ def _safe_tail(container: Container) -> str:
         return ""
 
 
-def _wait_ready(container: Container, base: str, timeout: float) -> None:
-    """Poll /health every 20 ms until ok (each interval adds to time-to-ready), and the container's
-    state every 250 ms, failing fast when it stops."""
+def _wait_ready(api: _Api, container_id: str, base: str, timeout: float) -> dict[str, Any]:
+    """Poll /health every 20 ms until ok (each interval adds to time-to-ready); returns the last
+    inspect data. The container's state is asked every 250 ms only while /health does not answer
+    (a server that answers "loading" is alive; an exited one stops answering), failing fast when
+    it stops: on a small machine each inspect takes CPU from the model load."""
     deadline = time.monotonic() + timeout
     next_state_check = 0.0
+    attrs: dict[str, Any] = {}
     while True:
+        state = health(base, timeout=2.0)
+        if state == "ok":
+            return attrs or api.inspect(container_id)
         now = time.monotonic()
-        if now >= next_state_check:
-            container.reload()
-            if container.status not in _RUNNING + _STARTING:
-                code = container.attrs.get("State", {}).get("ExitCode")
+        if state != "loading" and now >= next_state_check:
+            attrs = api.inspect(container_id)
+            status = (attrs.get("State") or {}).get("Status", "")
+            if status not in _RUNNING + _STARTING:
+                code = (attrs.get("State") or {}).get("ExitCode")
                 raise ServeFailed(
                     f"the server exited (code {code}) before it was ready",
                     hint="its last log lines are above; fix the model or flags and retry",
                 )
             next_state_check = now + 0.25
-        state = health(base, timeout=2.0)
-        if state == "ok":
-            return
         if time.monotonic() > deadline:
             raise ServeFailed(
                 f"the server was not ready after {timeout:g} s (health: {state})",

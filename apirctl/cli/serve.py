@@ -79,7 +79,7 @@ def serve(
     """
     from apirctl import config
     from apirctl import serve as lib
-    from apirctl.cli.output import console, err_console, print_json
+    from apirctl.cli.output import err_console, print_json
 
     opts = lib.options(
         model or config.settings().default_model,
@@ -88,7 +88,8 @@ def serve(
         rpc_backends=list(rpc_backend or []), via_ssh=via_ssh, insecure_network=insecure_network or None,
         ssh_options=list(ssh_option or []),
     )
-    with _Phases(live=err_console().is_terminal and not json_out, quiet=json_out) as phases:
+    # rich is imported only for a terminal: its import is a visible part of serve's time on a pipe
+    with _Phases(live=sys.stderr.isatty() and not json_out, quiet=json_out) as phases:
         try:
             started = lib.start(opts, progress=phases.update)
             ready_at = time.time()
@@ -104,21 +105,34 @@ def serve(
     if json_out:
         print_json({**server.model_dump(mode="json"), "phases": [p.model_dump() for p in started.phases]})
     else:
-        out = console()
-        total = sum(p.seconds for p in started.phases)
-        out.print(f"[green]ready[/] in {total:.1f} s: [bold]{server.name}[/] serves {server.model} "
-                  f"({server.transport}) at [bold]{server.url}[/]", soft_wrap=True)
-        auth = f" -H 'Authorization: Bearer {opts.api_key}'" if opts.api_key else ""
-        out.print(f"  chat:  apirctl chat --url {server.url}", soft_wrap=True, highlight=False)
-        out.print(
-            f"  curl:  curl -s {server.url}/chat/completions -H 'Content-Type: application/json'{auth} "
-            """-d '{"messages":[{"role":"user","content":"Hello!"}]}'""",
-            soft_wrap=True, highlight=False, markup=False,
-        )
-        out.print(f"  logs:  apirctl logs {server.name} -f", soft_wrap=True, highlight=False)
-        out.print(f"  stop:  apirctl stop {server.name}", soft_wrap=True, highlight=False)
+        _print_ready(server, sum(p.seconds for p in started.phases), opts.api_key)
     if not detach:
         _foreground(server.name, since=int(ready_at))
+
+
+def _print_ready(server: Any, total: float, api_key: str | None) -> None:
+    """The ready line and lines to paste: rich on a terminal, plain text on a pipe."""
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    lines = [
+        f"  chat:  apirctl chat --url {server.url}",
+        f"  curl:  curl -s {server.url}/chat/completions -H 'Content-Type: application/json'{auth} "
+        """-d '{"messages":[{"role":"user","content":"Hello!"}]}'""",
+        f"  logs:  apirctl logs {server.name} -f",
+        f"  stop:  apirctl stop {server.name}",
+    ]
+    head = f"{server.name} serves {server.model} ({server.transport}) at "
+    if not sys.stdout.isatty():
+        print(f"ready in {total:.1f} s: {head}{server.url}", *lines, sep="\n", flush=True)
+        return
+    from rich.markup import escape
+
+    from apirctl.cli.output import console
+
+    out = console()
+    out.print(f"[green]ready[/] in {total:.1f} s: [bold]{escape(server.name)}[/] serves {escape(server.model)} "
+              f"({server.transport}) at [bold]{server.url}[/]", soft_wrap=True)
+    for line in lines:
+        out.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 class _Phases:

@@ -1,0 +1,69 @@
+"""apirctl.libpod: the create body matches podman-py's rendering of the same spec, and the calls
+work against the real Podman service."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from apirctl import engine, libpod
+
+
+def _podman_py_body(spec: engine.ContainerSpec) -> object:
+    """What podman-py posts for `containers.create(**spec.create_kwargs())` (its render, then its filter)."""
+    from podman import api
+    from podman.domain.containers_create import CreateMixin
+
+    return json.loads(api.prepare_body(CreateMixin._render_payload(spec.create_kwargs())))
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"entrypoint": ["llama-server"], "devices": ["/dev/dri"], "security_opt": ["label=disable"]},
+    {"network_mode": "slirp4netns", "network_options": {"slirp4netns": ["allow_host_loopback=true"]},
+     "environment": {"A": "1"}},
+])
+def test_create_body_is_what_podman_py_sends(tmp_path: Path, extra: dict[str, object]) -> None:
+    spec = engine.ContainerSpec(
+        image="localhost/apirctl/llama-server:test", name="apirctl-x", command=["--port", "8000"],
+        labels={"apirctl.version": "0"}, ports={8000: ("127.0.0.1", 1234)},
+        mounts=[engine.BindMount(source=tmp_path, target="/models/m.gguf")], **extra,  # type: ignore[arg-type]
+    )
+    assert libpod.create_body(spec) == _podman_py_body(spec)
+
+
+def test_only_socket_urls_are_spoken_directly() -> None:
+    assert libpod.supported("unix:///run/podman/podman.sock") and libpod.supported("tcp://127.0.0.1:8080")
+    assert not libpod.supported("ssh://me@host/run/podman/podman.sock")
+
+
+@pytest.mark.integration
+def test_exists_create_start_inspect_on_the_real_service(podman: str, llama_image: str, tmp_path: Path) -> None:
+    name = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    assert libpod.exists(podman, "images", llama_image)
+    assert not libpod.exists(podman, "images", "localhost/apirctl/no-such-image:0")
+    assert not libpod.exists(podman, "containers", name)
+    spec = engine.ContainerSpec(image=llama_image, name=name, entrypoint=["/app/bin/llama-server"],
+                                command=["--version"], labels={"apirctl.test": "libpod"})
+    container_id = libpod.create(podman, spec)
+    try:
+        assert libpod.exists(podman, "containers", name)
+        libpod.start(podman, container_id)
+        attrs = libpod.inspect(podman, container_id)
+        assert attrs["State"]["Status"] in ("running", "exited")
+        assert attrs["Config"]["Labels"]["apirctl.test"] == "libpod"
+        with pytest.raises(libpod.LibpodError) as err:
+            libpod.create(podman, spec)  # the name is taken
+        assert err.value.status >= 400 and "already in use" in err.value.message
+    finally:
+        engine.client().containers.get(container_id).remove(force=True)
+    missing = spec.model_copy(update={"name": f"{name}-2", "entrypoint": ["/no/such/binary"]})
+    container_id = libpod.create(podman, missing)
+    try:
+        with pytest.raises(libpod.LibpodError, match="no such file|not found"):
+            libpod.start(podman, container_id)
+    finally:
+        engine.client().containers.get(container_id).remove(force=True)
