@@ -104,6 +104,9 @@ def _image() -> Check:
     tag = image.tag_for(build)
     if not image.exists(tag):
         return Check(name="inference image", status="fail", detail=f"{tag} not built", fix="run `apirctl setup`")
+    if not image.is_current(build, tag):
+        return Check(name="inference image", status="fail", detail=f"{tag} was built from another llama.cpp build",
+                     fix="run `apirctl setup` to rebuild it")
     return Check(name="inference image", status="ok", detail=tag)
 
 

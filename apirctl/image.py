@@ -101,12 +101,31 @@ def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
     return placed
 
 
+BUILD_LABEL = "apirctl.llama-cpp.build-id"
+
+
 def exists(tag: str) -> bool:
     from apirctl import engine
 
     proc = subprocess.run([engine.podman_binary(), "image", "exists", tag], env=engine.podman_env(),
                           capture_output=True)
     return proc.returncode == 0
+
+
+def built_from(tag: str) -> str | None:
+    """The build id an image of ours was made from (None when the image or its label is missing)."""
+    from apirctl import engine
+
+    proc = subprocess.run([engine.podman_binary(), "image", "inspect", "--format",
+                           f'{{{{index .Labels "{BUILD_LABEL}"}}}}', tag],
+                          env=engine.podman_env(), capture_output=True, text=True)
+    value = proc.stdout.strip()
+    return value if proc.returncode == 0 and value and value != "<no value>" else None
+
+
+def is_current(build: Build, tag: str | None = None) -> bool:
+    """Is the image for `build` there and made from this very build (not an older one)?"""
+    return built_from(tag or tag_for(build)) == build.identity
 
 
 def build_image(build: Build, tag: str | None = None) -> str:
@@ -120,7 +139,7 @@ def build_image(build: Build, tag: str | None = None) -> str:
         options = build.options.model_dump_json() if build.options else "external"
         (context / "Containerfile").write_text(render(
             "Containerfile.llama-server", source_version=build.source_version, backend=build.backend,
-            options=options.replace('"', "'")))
+            options=options.replace('"', "'"), build_id=build.identity))
         proc = subprocess.run([engine.podman_binary(), "build", "--quiet", "-t", tag, "-f",
                                 str(context / "Containerfile"), str(context)],
                               env=engine.podman_env(), capture_output=True, text=True)
@@ -133,6 +152,6 @@ def build_image(build: Build, tag: str | None = None) -> str:
 def ensure(build: Build, rebuild: bool = False) -> str:
     """The image for `build`, built if it is missing (or `rebuild`)."""
     tag = tag_for(build)
-    if rebuild or not exists(tag):
+    if rebuild or not is_current(build, tag):
         build_image(build, tag)
     return tag

@@ -106,6 +106,15 @@ class Build(BaseModel):
     options: BuildOptions | None = None
     external: bool = False  # a build directory the user pointed us at (APIRCTL_LLAMA_BUILD)
 
+    @property
+    def identity(self) -> str:
+        """What tells two builds apart: the cache key, or for an external build its server binary."""
+        if self.options is not None and not self.external:
+            return self.options.key()
+        server = self.bin_dir / "llama-server"
+        stamp = server.stat().st_mtime_ns if server.exists() else 0
+        return hashlib.sha256(f"{server}:{stamp}".encode()).hexdigest()[:16]
+
     def binary(self, name: str) -> Path:
         path = self.bin_dir / name
         if not path.exists():

@@ -20,8 +20,12 @@ def served(llama_image: str, demo_model: Path, tmp_path_factory: pytest.TempPath
     """A demo-model server (transport none) with a unique name, and the Podman API it runs under."""
     from apirctl import engine
 
-    saved = {key: os.environ.get(key) for key in ("APIRCTL_HOME", "CONTAINER_HOST")}
+    from tests.conftest import SHARED_CACHE
+
+    saved = {key: os.environ.get(key) for key in ("APIRCTL_HOME", "CONTAINER_HOST", "APIRCTL_CACHE_DIR")}
     os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("chat-serve-home"))
+    # A module fixture runs before the per-test isolation: point at the shared build itself.
+    os.environ["APIRCTL_CACHE_DIR"] = str(SHARED_CACHE)
     podman_url = engine.discover().url
     os.environ["CONTAINER_HOST"] = podman_url
     name = f"apirctl-chat-{uuid.uuid4().hex[:8]}"

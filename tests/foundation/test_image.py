@@ -51,3 +51,20 @@ def test_image_runs_llama_server_version(llama_image: str, container_build: llam
                              "{{index .Labels \"apirctl.llama-cpp.backend\"}}", llama_image],
                             capture_output=True, text=True, env=engine.podman_env())
     assert labels.stdout.strip() == container_build.backend
+
+
+@pytest.mark.integration
+def test_an_image_from_another_build_is_rebuilt(llama_image: str, container_build: llamacpp.Build,
+                                                tmp_path: Path) -> None:
+    """Same tag, other binaries: ensure() must notice (by the build-id label) and rebuild."""
+    other = container_build.model_copy(update={"external": True, "options": None})
+    assert other.identity != container_build.identity
+    stale = image.build_image(other, "localhost/apirctl/llama-server:stale-test")
+    try:
+        assert image.built_from(stale) == other.identity
+        assert not image.is_current(container_build, stale)
+    finally:
+        from apirctl import engine
+
+        subprocess.run([engine.podman_binary(), "rmi", "-f", stale], env=engine.podman_env(), capture_output=True)
+    assert image.is_current(container_build, llama_image)
