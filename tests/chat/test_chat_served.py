@@ -19,7 +19,6 @@ pytestmark = pytest.mark.integration
 def served(llama_image: str, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A demo-model server (transport none) with a unique name, and the Podman API it runs under."""
     from apirctl import engine
-
     from tests.conftest import SHARED_CACHE
 
     saved = {key: os.environ.get(key) for key in ("APIRCTL_HOME", "CONTAINER_HOST", "APIRCTL_CACHE_DIR")}
