@@ -125,3 +125,44 @@ def load(overrides: dict[str, Any] | None = None, environ: dict[str, str] | None
 def settings(**overrides: Any) -> Settings:
     """Shortcut for library code: the effective settings with optional flag overrides."""
     return load(overrides).settings
+
+
+def _toml_value(value: Any) -> str:
+    import json
+
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    return json.dumps(str(value))  # a TOML basic string is a JSON string for our values
+
+
+def write_value(key: str, raw: str | None) -> Path:
+    """Set (or with `raw=None`, remove) one key in the config file, validated before it is written.
+
+    The file is rewritten from its parsed content (comments are not kept) and replaced atomically.
+    """
+    import json
+
+    if key not in FIELDS:
+        raise ApirctlError(f"unknown setting {key!r} (known: {', '.join(FIELDS)})")
+    path = dirs().config_file
+    data = _read_config_file(path)
+    if raw is None:
+        data.pop(key, None)
+    elif key == "model_aliases":
+        try:
+            data[key] = json.loads(raw)
+        except ValueError as exc:
+            raise ApirctlError(f"model_aliases: not a JSON object ({exc})") from exc
+    else:
+        data[key] = raw
+    checked = _validate(data, {k: f"config file {path}" for k in data}).model_dump()
+    lines = [f"{k} = {_toml_value(checked[k])}" for k in FIELDS if k in data and checked[k] is not None]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".toml.tmp")
+    tmp.write_text("# apirctl settings (apirctl config set/unset rewrites this file)\n" + "\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path

@@ -7,13 +7,25 @@ import sys
 
 import pytest
 
-COMMANDS = [
-    [], ["machine"], ["machine", "status"], ["machine", "restart"], ["machine", "stop"], ["machine", "logs"],
-    ["serve"], ["stop"], ["ps"], ["logs"], ["chat"], ["bench"], ["models"], ["models", "list"],
-    ["models", "pull"], ["models", "rm"], ["models", "inspect"], ["install"], ["uninstall"],
-    ["backend"], ["backend", "selftest"], ["setup"], ["doctor"], ["info"], ["config"], ["config", "show"],
-    ["apir"], ["apir", "generate"],
-]
+
+def _all_commands() -> list[list[str]]:
+    """Every group and command of the real app, walked from its command tree."""
+    import typer.main
+
+    from apirctl.cli import app
+
+    found: list[list[str]] = []
+
+    def walk(cmd, path: list[str]) -> None:  # type: ignore[no-untyped-def]
+        found.append(path)
+        for name, sub in (getattr(cmd, "commands", None) or {}).items():
+            walk(sub, [*path, name])
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+COMMANDS = _all_commands()
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

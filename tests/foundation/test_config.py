@@ -99,3 +99,21 @@ def test_apirctl_home_moves_every_directory(tmp_path: Path, monkeypatch: pytest.
     found = dirs()
     for path in (found.config, found.data, found.cache, found.state):
         assert path.is_relative_to(tmp_path / "h")
+
+
+def test_config_set_validates_writes_and_unset_removes() -> None:
+    proc = run_cli("config", "set", "rpc_port", "50100")
+    assert proc.returncode == 0, proc.stderr
+    assert config.load(environ={}).settings.rpc_port == 50100
+    assert run_cli("config", "set", "rpc_cache", "false").returncode == 0
+    assert run_cli("config", "set", "model_aliases", '{"tiny": "/m/t.gguf"}').returncode == 0
+    loaded = config.load(environ={})
+    assert loaded.settings.rpc_cache is False and loaded.settings.model_aliases == {"tiny": "/m/t.gguf"}
+    before = dirs().config_file.read_text()
+    bad = run_cli("config", "set", "port", "80")
+    assert bad.returncode == 1 and "invalid setting 'port'" in bad.stderr and "Traceback" not in bad.stderr
+    assert dirs().config_file.read_text() == before  # a rejected value changes nothing
+    unknown = run_cli("config", "set", "prot", "1")
+    assert unknown.returncode == 1 and "unknown setting 'prot'" in unknown.stderr
+    assert run_cli("config", "unset", "rpc_port").returncode == 0
+    assert config.load(environ={}).settings.rpc_port == 50052
