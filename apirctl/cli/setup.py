@@ -7,7 +7,9 @@ import typer
 
 def setup(
     jobs: int = typer.Option(None, "--jobs", "-j", help="Parallel build jobs (default: all cores)."),
-    image: bool = typer.Option(True, "--image/--no-image", help="Build the local inference image."),
+    image: bool = typer.Option(True, "--image/--no-image",
+                               help="Build the local inference image (--no-image also skips the CPU build the "
+                                    "image holds, on a GPU host)."),
     model: bool = typer.Option(True, "--model/--no-model", help="Fetch the default (demo) model."),
     json_out: bool = typer.Option(False, "--json", help="Print what was set up as JSON."),
 ) -> None:
@@ -15,8 +17,10 @@ def setup(
 
     The host build carries the best GPU backend found (CUDA when nvcc and a GPU exist, Metal on macOS,
     else CPU) with the RPC backend and the ggml-virtgpu host library; the image carries only the CPU
-    and RPC backends, since remoting brings the GPU. Every step is cached: a rerun with nothing to do
-    returns at once. The full build log is kept; its tail is shown if the build fails.
+    and RPC backends, since remoting brings the GPU. CUDA builds for the architectures of the setting
+    cuda_architectures (e.g. `APIRCTL_CUDA_ARCHITECTURES=90`: one is much faster). Every step is
+    cached: a rerun with nothing to do returns at once. The full build log is kept; its tail is shown
+    if the build fails.
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
