@@ -6,7 +6,11 @@ fastest a script would reasonably poll). Same image, model, flags, port and podm
 (apirctl's CONTAINERS_CONF where the host needs one). Runs alternate which side goes first, and the
 containers are removed between runs, outside the timing. Target: ratio of medians <= 1.05.
 
-    python benchmarks/serve_ready.py [--runs 7] [--model PATH] [--json FILE]
+    python benchmarks/serve_ready.py [--runs 7] [--model PATH] [--json FILE] [--baseline-tree DIR]
+
+`--baseline-tree DIR` also times `python -m apirctl serve` run from another checkout (a git worktree of
+an older commit: `git worktree add --detach DIR COMMIT`), interleaved with the other two, for a
+before/after under the same machine load.
 """
 
 from __future__ import annotations
@@ -36,13 +40,15 @@ def apirctl_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "apirctl"]
 
 
-def time_apirctl(model: Path, env: dict[str, str]) -> float:
+def time_apirctl(model: Path, env: dict[str, str], tree: Path | None = None) -> float:
+    """`apirctl serve` to its exit; from `tree` (another checkout, run with -m from there) if given."""
     name, port = f"bench-serve-{uuid.uuid4().hex[:6]}", free_port()
-    cmd = [*apirctl_command(), "serve", str(model), "--transport", "none", "--port", str(port), "--name", name]
+    program = [sys.executable, "-m", "apirctl"] if tree else apirctl_command()
+    cmd = [*program, "serve", str(model), "--transport", "none", "--port", str(port), "--name", name]
     start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tree)
     elapsed = time.perf_counter() - start
-    subprocess.run([*apirctl_command(), "stop", name], capture_output=True, env=env)
+    subprocess.run([*program, "stop", name], capture_output=True, env=env, cwd=tree)
     if done.returncode != 0:
         raise SystemExit(f"apirctl serve failed:\n{done.stderr}")
     return elapsed
@@ -81,6 +87,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the demo model from the store)")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--baseline-tree", type=Path, help="also time apirctl from this checkout (before/after)")
     args = parser.parse_args()
 
     from apirctl import engine, image, llamacpp, models
@@ -95,18 +102,20 @@ def main() -> None:
     if shutil.which("podman") is None:
         raise SystemExit("podman is not installed")
 
-    time_apirctl(model, env)  # warm-up: page cache, image layers, the service
-    time_podman_run(model, tag, env)
-    ours: list[float] = []
-    theirs: list[float] = []
+    tree = args.baseline_tree.resolve() if args.baseline_tree else None
+    sides = {"ours": lambda: time_apirctl(model, env), "podman": lambda: time_podman_run(model, tag, env)}
+    if tree:
+        sides["baseline"] = lambda: time_apirctl(model, env, tree)
+    for measure in sides.values():  # warm-up: page cache, image layers, the service
+        measure()
+    times: dict[str, list[float]] = {key: [] for key in sides}
+    order = list(sides)
     for run in range(args.runs):
-        if run % 2 == 0:
-            ours.append(time_apirctl(model, env))
-            theirs.append(time_podman_run(model, tag, env))
-        else:
-            theirs.append(time_podman_run(model, tag, env))
-            ours.append(time_apirctl(model, env))
-        print(f"run {run + 1}: apirctl serve {ours[-1]:.3f} s, podman run + poll {theirs[-1]:.3f} s", flush=True)
+        for key in order[run % len(order):] + order[:run % len(order)]:  # rotate who goes first
+            times[key].append(sides[key]())
+        line = f"run {run + 1}: apirctl serve {times['ours'][-1]:.3f} s, podman run + poll {times['podman'][-1]:.3f} s"
+        print(line + (f", baseline tree {times['baseline'][-1]:.3f} s" if tree else ""), flush=True)
+    ours, theirs = times["ours"], times["podman"]
     result = {
         "runs": args.runs,
         "model": model.name,
@@ -117,6 +126,13 @@ def main() -> None:
         "apirctl_serve_s": [round(x, 3) for x in ours],
         "podman_run_s": [round(x, 3) for x in theirs],
     }
+    if tree:
+        base = times["baseline"]
+        result.update({
+            "baseline_median_s": round(statistics.median(base), 3),
+            "baseline_ratio": round(statistics.median(base) / statistics.median(theirs), 3),
+            "baseline_s": [round(x, 3) for x in base],
+        })
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
