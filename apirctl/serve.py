@@ -410,8 +410,7 @@ class _Api:
 
         if self.direct:
             return libpod.inspect(self.url, container_id)
-        container = container_by_id(container_id)
-        return dict(container.inspect()) if hasattr(container, "inspect") else dict(container.attrs)
+        return dict(container_by_id(container_id).attrs)  # podman-py's get() is the same inspect call
 
 
 def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None, api: _Api) -> str:

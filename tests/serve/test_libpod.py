@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from apirctl import engine, libpod
+from apirctl.errors import ApirctlError
 
 
 def _podman_py_body(spec: engine.ContainerSpec) -> object:
@@ -67,3 +68,29 @@ def test_exists_create_start_inspect_on_the_real_service(podman: str, llama_imag
             libpod.start(podman, container_id)
     finally:
         engine.client().containers.get(container_id).remove(force=True)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("direct", [True, False])
+def test_serve_api_both_ways(podman: str, llama_image: str, direct: bool) -> None:
+    """serve's hot path gives the same answers through libpod and through podman-py (ssh:// URLs)."""
+    from apirctl.serve import _Api
+
+    api = _Api()
+    api.direct = direct
+    name = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    assert api.exists("images", llama_image) and not api.exists("containers", name)
+    spec = engine.ContainerSpec(image=llama_image, name=name, entrypoint=["/app/bin/llama-server"],
+                                command=["--version"], labels={"apirctl.test": "api"})
+    container_id = api.create(spec)
+    try:
+        api.start(container_id, name)
+        attrs = api.inspect(container_id)
+        assert attrs["Id"] == container_id and attrs["Config"]["Labels"]["apirctl.test"] == "api"
+        assert api.exists("containers", name)
+    finally:
+        engine.client().containers.get(container_id).remove(force=True)
+    missing = spec.model_copy(update={"name": f"{name}-2", "image": "localhost/apirctl/no-such-image:0"})
+    with pytest.raises(ApirctlError, match="not found") as err:
+        api.create(missing)
+    assert err.value.hint and "apirctl setup" in err.value.hint
