@@ -117,3 +117,27 @@ def test_a_failed_serve_closes_its_tunnel(
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "ssh tunnels" in done.stderr  # the tunnel was opened before the failure
     assert not tunnel.tunnels()
+
+
+@pytest.mark.integration
+def test_ps_says_when_the_tunnel_died(
+    backend: int, sshd: tuple[str, list[str]], podman: str, llama_image: str, demo_model: Path,  # noqa: F811
+    name: str,
+) -> None:
+    import signal
+    import time
+
+    via, args = sshd
+    done = apirctl("serve", str(demo_model), "--rpc-backend", f"127.0.0.1:{backend}", "--via-ssh", via,
+                   *ssh_options(args), "--port", str(free_port()), "--name", name, "--json")
+    assert done.returncode == 0, done.stderr
+    (pid,) = json.loads(done.stdout)["tunnels"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while alive(pid):  # the tunnel's parent (serve) has exited: init reaps it
+        assert time.monotonic() < deadline, "the tunnel did not die"
+        time.sleep(0.05)
+    row = next(r for r in json.loads(apirctl("ps", "--json").stdout) if r["name"] == name)
+    assert row["state"] == "running" and row["health"] == "ssh tunnel down"
+    stopped = apirctl("stop", name)
+    assert stopped.returncode == 0, stopped.stderr
