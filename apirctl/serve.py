@@ -45,6 +45,7 @@ L_MODEL = "apirctl.model"
 L_TRANSPORT = "apirctl.transport"
 L_HOST_IP = "apirctl.host-ip"
 L_RPC_BACKENDS = "apirctl.rpc-backends"  # --rpc-backend addresses, comma-separated, as given
+L_RPC_TARGET = "apirctl.rpc-target"  # the --rpc address(es) llama-server was given, as the container sees them
 L_VIA_SSH = "apirctl.via-ssh"
 L_TUNNELS = "apirctl.ssh-tunnels"  # pids of the SSH tunnels this server uses (closed by `stop`)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
@@ -99,6 +100,7 @@ class Server(BaseModel):
     managed: bool = True  # False for servers of the upstream extension
     rpc_backends: list[str] = Field(default_factory=list)  # explicit --rpc-backend addresses
     tunnels: list[int] = Field(default_factory=list)  # pids of its SSH tunnels
+    rpc_target: str = ""  # the --rpc value it runs with (which backend it holds)
 
     @property
     def base(self) -> str:
@@ -283,6 +285,7 @@ def _server(container: Container, probe_health: bool = True) -> Server:
     image = attrs.get("Image") or ""
     backends = [b for b in labels.get(L_RPC_BACKENDS, "").split(",") if b]
     tunnel_pids = [int(p) for p in labels.get(L_TUNNELS, "").split(",") if p.isdigit()]
+    rpc_target = labels.get(L_RPC_TARGET, "")
     state_of_health = "-"
     if running and probe_health:  # 3 s: a server on a starved CPU is slow, not down
         state_of_health = health(url.removesuffix("/v1"), timeout=3.0) if url else "unreachable"
@@ -302,6 +305,7 @@ def _server(container: Container, probe_health: bool = True) -> Server:
         managed=ours,
         rpc_backends=backends,
         tunnels=tunnel_pids,
+        rpc_target=rpc_target,
     )
 
 
@@ -443,6 +447,8 @@ def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str) -
         remote[L_VIA_SSH] = opts.via_ssh
     if plan.tunnels:
         remote[L_TUNNELS] = ",".join(str(pid) for pid in plan.tunnels)
+    if "--rpc" in plan.llama_args[:-1]:
+        remote[L_RPC_TARGET] = plan.llama_args[plan.llama_args.index("--rpc") + 1]
     return {
         **remote,
         L_VERSION: __version__,

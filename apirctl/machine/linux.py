@@ -203,14 +203,20 @@ def _failure_line() -> str:
     return tail[-1] if tail else "no output"
 
 
-def rpc_servers() -> list[Server]:
-    """Running inference servers that use the rpc transport (empty when Podman cannot be asked)."""
+def rpc_servers(port: int | None = None) -> list[Server]:
+    """Running inference servers that use this host's backend (on `port` when given).
+
+    Servers of other backends (`--rpc-backend`, or a backend on another port) are not its users.
+    Empty when Podman cannot be asked.
+    """
     try:
         from apirctl import serve
 
-        return [s for s in serve.list_servers(probe_health=False) if s.transport == "rpc" and s.state == "running"]
+        found = serve.list_servers(probe_health=False)
     except Exception:  # noqa: BLE001 - status must answer even when Podman does not
         return []
+    return [s for s in found if s.transport == "rpc" and s.state == "running" and not s.rpc_backends
+            and (port is None or not s.rpc_target or s.rpc_target.rsplit(":", 1)[-1] == str(port))]
 
 
 def backend_problem() -> str | None:
@@ -280,7 +286,7 @@ def status(name: str | None = None) -> MachineStatus:
 
     uptime = _uptime(time.time() - record.started_at)
     devices = _devices_from_log()
-    servers = rpc_servers()
+    servers = rpc_servers(record.port)
     serving = ", ".join(s.name for s in servers) or None
     if servers:  # its one connection belongs to them: a probe would only queue behind it
         return _st(MachineState.SERVING, f"the host RPC backend is serving: {serving}", None,
@@ -317,7 +323,8 @@ def _terminate(pid: int, timeout: float = STOP_TIMEOUT) -> None:
 
 
 def _refuse_if_used(force: bool, action: str) -> None:
-    servers = rpc_servers()
+    record = read_record()
+    servers = rpc_servers(record.port if record else None)
     if not servers:
         return
     names = ", ".join(s.name for s in servers)

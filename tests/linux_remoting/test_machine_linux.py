@@ -158,3 +158,20 @@ def test_a_client_that_vanishes_mid_reply_does_not_kill_the_backend(backend: int
         assert time.monotonic() < deadline, status.summary
         time.sleep(0.1)
     assert linux.is_backend_process(record.pid)
+
+
+def test_only_servers_of_this_backend_count_as_its_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apirctl import serve
+
+    def server(name: str, **extra: object) -> serve.Server:
+        fields: dict = {"name": name, "id": name, "model": "m", "transport": "rpc", "url": "", "state": "running",
+                        "health": "ok", "port": 1} | extra
+        return serve.Server(**fields)
+
+    found = [server("local", rpc_target="10.0.2.2:50052"), server("other-port", rpc_target="10.0.2.2:50999"),
+             server("remote", rpc_backends=["gpu-box:50052"], rpc_target="127.0.0.1:41000"),
+             server("plain", transport="none"), server("stopped", state="exited", rpc_target="10.0.2.2:50052"),
+             server("unlabelled")]
+    monkeypatch.setattr(serve, "list_servers", lambda **_: found)
+    assert [s.name for s in linux.rpc_servers(50052)] == ["local", "unlabelled"]
+    assert [s.name for s in linux.rpc_servers()] == ["local", "other-port", "unlabelled"]
