@@ -85,3 +85,27 @@ def llama_image(container_build) -> str:  # type: ignore[no-untyped-def]
 
     with shared_env():
         return image.ensure(container_build)
+
+
+@pytest.fixture(scope="session")
+def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One Podman API for the session, found or started by apirctl's engine in a home of its own."""
+    from apirctl import engine
+
+    saved = os.environ.get("APIRCTL_HOME")
+    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
+    try:
+        yield engine.discover().url
+        engine.stop_service()
+    finally:
+        if saved is None:
+            os.environ.pop("APIRCTL_HOME", None)
+        else:
+            os.environ["APIRCTL_HOME"] = saved
+
+
+@pytest.fixture
+def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point apirctl (and podman-py) at the session's Podman API."""
+    monkeypatch.setenv("CONTAINER_HOST", podman_url)
+    return podman_url

@@ -6,7 +6,6 @@ the demo model, and the container modes run the real image through real podman.
 
 from __future__ import annotations
 
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,25 +38,3 @@ def llama_server(llama_build: Any, demo_model: Path, tmp_path_factory: pytest.Te
             proc.kill()
             proc.wait()
 
-
-@pytest.fixture(scope="session")
-def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Podman API for the session, found or started by apirctl's engine in its own home."""
-    from apirctl import engine
-
-    saved = os.environ.get("APIRCTL_HOME")
-    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("bench-podman-home"))
-    try:
-        yield engine.discover().url
-        engine.stop_service()
-    finally:
-        if saved is None:
-            os.environ.pop("APIRCTL_HOME", None)
-        else:
-            os.environ["APIRCTL_HOME"] = saved
-
-
-@pytest.fixture
-def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("CONTAINER_HOST", podman_url)
-    return podman_url

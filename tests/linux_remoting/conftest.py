@@ -43,25 +43,3 @@ def backend(with_build) -> Iterator[int]:  # type: ignore[no-untyped-def]
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.pid, signal.SIGKILL)
 
-
-@pytest.fixture(scope="session")
-def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Podman API for these tests, found or started by apirctl's engine in its own home."""
-    from apirctl import engine
-
-    saved = os.environ.get("APIRCTL_HOME")
-    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
-    try:
-        yield engine.discover().url
-        engine.stop_service()
-    finally:
-        if saved is None:
-            os.environ.pop("APIRCTL_HOME", None)
-        else:
-            os.environ["APIRCTL_HOME"] = saved
-
-
-@pytest.fixture
-def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("CONTAINER_HOST", podman_url)
-    return podman_url

@@ -18,30 +18,6 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="session")
-def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Podman API for the whole session, found or started by apirctl's engine in its own home."""
-    from apirctl import engine
-
-    saved = os.environ.get("APIRCTL_HOME")
-    os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
-    try:
-        url = engine.discover().url
-        yield url
-        engine.stop_service()
-    finally:
-        if saved is None:
-            os.environ.pop("APIRCTL_HOME", None)
-        else:
-            os.environ["APIRCTL_HOME"] = saved
-
-
-@pytest.fixture
-def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setenv("CONTAINER_HOST", podman_url)
-    return podman_url
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
