@@ -24,6 +24,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from apirctl.digest import sha256_file
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs, ensure
 
@@ -83,17 +84,11 @@ class Bundle(BaseModel):
         changed = []
         for rel, digest in sorted(self.files.items()):
             path = self.path / rel
-            if not path.is_file() or sha256(path) != digest:
+            if not path.is_file() or sha256_file(path) != digest:
                 changed.append(rel)
         return changed
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def root() -> Path:
@@ -291,7 +286,7 @@ def import_from(source: str, *, sha256_digest: str | None = None, version: str |
             if path.is_dir():
                 tree = _find_root(path)
             else:
-                if sha256_digest and sha256(path) != sha256_digest.lower():
+                if sha256_digest and sha256_file(path) != sha256_digest.lower():
                     raise ApirctlError(f"{path.name} does not match the expected sha256")
                 _safe_extract(path, staging / "tree")
                 tree = _find_root(staging / "tree")
@@ -335,7 +330,7 @@ def _stage(tree: Path, staging: Path, source: str, version: str | None,
     (out / VERSION_FILE).write_text(chosen + "\n")
     if image:
         (out / IMAGE_FILE).write_text(image + "\n")
-    files = {str(p.relative_to(out)): sha256(p) for p in sorted(out.rglob("*")) if p.is_file()}
+    files = {str(p.relative_to(out)): sha256_file(p) for p in sorted(out.rglob("*")) if p.is_file()}
     bundle = Bundle(version=chosen, path=root() / chosen, image=image, source=source,
                     installed_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), files=files,
                     **described)  # type: ignore[arg-type]

