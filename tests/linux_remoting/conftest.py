@@ -33,9 +33,9 @@ def backend(with_build) -> Iterator[int]:  # type: ignore[no-untyped-def]
     from apirctl.machine import MachineState, RestartOptions, linux
 
     port = free_port()
-    result = linux.restart(RestartOptions(remoting=True, port=port, cache=False))
-    assert result.state == MachineState.READY, result
     try:
+        result = linux.restart(RestartOptions(remoting=True, port=port, cache=False))
+        assert result.state == MachineState.READY, result
         yield port
     finally:
         record = linux.read_record()
