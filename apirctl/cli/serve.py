@@ -165,8 +165,10 @@ class _Phases:
 
     def update(self, text: str) -> None:
         if self.bar is None:
-            if not self.quiet and text in self.PHASES and text != "ready":
-                print(f"{text}...", file=sys.stderr, flush=True)
+            if self.quiet or text == "ready":
+                return
+            # a phase opens a line; a status within it (image pull or build progress) is indented
+            print(f"{text}..." if text in self.PHASES else f"  {text}", file=sys.stderr, flush=True)
             return
         if text not in self.PHASES:  # a status line within the phase (image pull or build)
             if self.tasks:
