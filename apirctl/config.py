@@ -18,6 +18,7 @@ from apirctl.paths import dirs
 
 ENV_PREFIX = "APIRCTL_"
 Transport = Literal["auto", "virtgpu", "rpc", "none"]
+RpcNetwork = Literal["auto", "slirp4netns", "pasta"]
 
 
 class Settings(BaseModel):
@@ -36,6 +37,10 @@ class Settings(BaseModel):
     health_timeout: float = Field(300.0, gt=0, description="seconds serve waits for the server to be ready")
     rpc_port: int = Field(50052, gt=1024, lt=65536, description="port of the host RPC remoting backend")
     rpc_cache: bool = Field(True, description="let the RPC backend cache model weights on disk")
+    rpc_network: RpcNetwork = Field(
+        "auto", description="how rpc containers reach the backend on the host's loopback: slirp4netns or pasta "
+        "(auto: slirp4netns when installed, else pasta; containers in a podman machine use its gateway)"
+    )
     build_jobs: int | None = Field(None, ge=1, description="parallel jobs for the llama.cpp build")
     cuda_architectures: str | None = Field(
         None, description="CUDA architectures of the host build, e.g. 90 (CMAKE_CUDA_ARCHITECTURES; default: CMake's)"

@@ -5,14 +5,15 @@ network, SELinux options, environment and llama.cpp flags that `Plan.apply` adds
 `engine.ContainerSpec`. Serve and bench share it, so both run the same container shape.
 
 - `none`: llama.cpp on the container's own CPU; nothing added.
-- `rpc` (Linux): the host runs `ggml-rpc-server` on 127.0.0.1; the container joins slirp4netns
-  with `allow_host_loopback`, where the host's loopback is 10.0.2.2, and llama.cpp gets
-  `--rpc 10.0.2.2:PORT`. Nothing listens on a routable address.
+- `rpc` (Linux): the host runs `ggml-rpc-server` on 127.0.0.1; the container reaches it through
+  the host-loopback door of its network (`apirctl.hostloopback`: slirp4netns' 10.0.2.2, a pasta
+  port forward to the container's own 127.0.0.1, or a podman machine's gvproxy gateway) and
+  llama.cpp gets `--rpc ADDRESS:PORT`. Nothing listens on a routable address.
 - `virtgpu` (macOS): the container gets `/dev/dri` (the virtio-gpu of the krunkit VM) with
   SELinux labelling off; its ggml-virtgpu frontend forwards to the host's Metal backend.
   The image comes from the active API-remoting bundle when one is installed.
-- `auto`: the remoting transport of this platform when `machine status` says it is ready,
-  else `none` with a notice saying why and what to run.
+- `auto`: the remoting transport of this platform when `machine status` says it is ready (and,
+  for rpc, a container network can reach it), else `none` with a notice saying why and what to run.
 """
 
 from __future__ import annotations
@@ -25,12 +26,11 @@ from apirctl.errors import ApirctlError
 
 if TYPE_CHECKING:
     from apirctl.engine import ContainerSpec
+    from apirctl.hostloopback import HostLoopback
     from apirctl.machine import MachineStatus
 
 Kind = Literal["none", "rpc", "virtgpu"]
 TRANSPORTS = ("auto", "virtgpu", "rpc", "none")
-# slirp4netns maps the host's 127.0.0.1 to this address when allow_host_loopback is on.
-SLIRP_HOST_LOOPBACK = "10.0.2.2"
 
 
 class Plan(BaseModel):
@@ -99,14 +99,22 @@ def _bundle_image() -> str | None:
     return getattr(active, "image", None) if active is not None else None
 
 
-def rpc_plan(port: int, ngl: int, requested: str = "rpc") -> Plan:
-    """The rpc wiring for a host backend on 127.0.0.1:`port`."""
+def _door(loopback: HostLoopback | None) -> HostLoopback:
+    from apirctl import hostloopback
+
+    return loopback if loopback is not None else hostloopback.choose()
+
+
+def rpc_plan(port: int, ngl: int, requested: str = "rpc", loopback: HostLoopback | None = None) -> Plan:
+    """The rpc wiring for a host backend on 127.0.0.1:`port` (`loopback`: the door to it, chosen
+    for this host when not given)."""
+    door = _door(loopback)
     return Plan(
         transport="rpc",
         requested=requested,
-        network_mode="slirp4netns",
-        network_options={"slirp4netns": ["allow_host_loopback=true"]},
-        llama_args=["--rpc", f"{SLIRP_HOST_LOOPBACK}:{port}", "--n-gpu-layers", str(ngl)],
+        network_mode=door.network_mode,
+        network_options=door.network_options([port]),
+        llama_args=["--rpc", door.endpoint(port), "--n-gpu-layers", str(ngl)],
     )
 
 
@@ -131,29 +139,37 @@ def is_loopback(host: str) -> bool:
 
 
 def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, insecure_network: bool = False,
-                    ssh_args: list[str] | None = None, requested: str = "rpc") -> Plan:
+                    ssh_args: list[str] | None = None, requested: str = "rpc",
+                    loopback: HostLoopback | None = None) -> Plan:
     """rpc wiring for explicit backends (`--rpc-backend`, repeatable: llama.cpp splits the layers).
 
-    Loopback backends are reached through the host-loopback mapping. With `via_ssh` every backend
-    address is as the SSH host sees it, reached through a tunnel whose local end is on this host's
-    loopback. A plain non-loopback address is refused unless `insecure_network`: the RPC protocol
-    has no authentication.
+    Loopback backends are reached through the host-loopback door (`loopback`, chosen for this
+    host when one is needed and not given). With `via_ssh` every backend address is as the SSH
+    host sees it, reached through a tunnel whose local end is on this host's loopback. A plain
+    non-loopback address is refused unless `insecure_network`: the RPC protocol has no
+    authentication.
     """
     from apirctl import tunnel
 
     if not backends:
         raise ApirctlError("no --rpc-backend given")
     endpoints: list[str] = []
+    local_ports: list[int] = []  # ports of this host's loopback the container must reach
     opened: list[int] = []
+    door = loopback
     try:
         for text in backends:
             host, port = parse_endpoint(text)
             if via_ssh:
+                door = _door(door)
                 t = tunnel.open_tunnel(via_ssh, host, port, ssh_args=ssh_args)
                 opened.append(t.pid)
-                endpoints.append(f"{SLIRP_HOST_LOOPBACK}:{t.local_port}")
+                local_ports.append(t.local_port)
+                endpoints.append(door.endpoint(t.local_port))
             elif is_loopback(host):
-                endpoints.append(f"{SLIRP_HOST_LOOPBACK}:{port}")
+                door = _door(door)
+                local_ports.append(port)
+                endpoints.append(door.endpoint(port))
             elif insecure_network:
                 endpoints.append(f"{host}:{port}")
             else:
@@ -169,8 +185,8 @@ def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, i
     return Plan(
         transport="rpc",
         requested=requested,
-        network_mode="slirp4netns",
-        network_options={"slirp4netns": ["allow_host_loopback=true"]},
+        network_mode=door.network_mode if door and local_ports else None,
+        network_options=door.network_options(local_ports) if door and local_ports else {},
         llama_args=["--rpc", ",".join(endpoints), "--n-gpu-layers", str(ngl)],
         tunnels=opened,
     )
@@ -195,11 +211,13 @@ def plan(
     rpc_port: int = 50052,
     status: MachineStatus | None = None,
     platform_name: str | None = None,
+    loopback: HostLoopback | None = None,
 ) -> Plan:
     """Resolve a requested transport into its wiring, or a one-line error saying what to do.
 
     `status` is the machine status (asked for when not given); `platform_name` ("darwin" or
-    "linux") defaults to this host's, as `engine.on_macos` sees it.
+    "linux") defaults to this host's, as `engine.on_macos` sees it; `loopback` is rpc's door to
+    the host's loopback (`hostloopback.choose()` when not given).
     """
     if requested not in TRANSPORTS:
         raise ApirctlError(f"unknown transport {requested!r} (choose from {', '.join(TRANSPORTS)})")
@@ -238,4 +256,11 @@ def plan(
     if requested_kind == "virtgpu":
         return virtgpu_plan(ngl, image=_bundle_image(), requested=requested)
     port = int((status.details.get("port") if status else None) or rpc_port)
-    return rpc_plan(port, ngl, requested=requested)
+    if requested == "auto":  # a backend no container can reach is no reason to fail: fall back, say why
+        try:
+            loopback = _door(loopback)
+        except ApirctlError as exc:
+            hint = f"; {exc.hint}" if exc.hint else ""
+            return Plan(transport="none", requested=requested,
+                        notice=f"the rpc backend is ready, but {exc.message}: running on the container's CPU{hint}")
+    return rpc_plan(port, ngl, requested=requested, loopback=loopback)

@@ -90,18 +90,27 @@ def _signature_ok(state: dict[str, Any], path: str) -> bool:
 # --- commands -------------------------------------------------------------------------------------
 
 
+def _api_socket(name: str, provider: str) -> str:
+    """Where gvproxy forwards the machine's API: $TMPDIR/podman on macOS, $XDG_RUNTIME_DIR/podman on
+    Linux (the qemu provider), named NAME-api.sock."""
+    if provider == "qemu":
+        runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/run/user/{os.getuid()}"
+        return f"{runtime}/podman/{name}-api.sock"
+    return f"/var/folders/xx/T/podman/{name}-api.sock"
+
+
 def _inspect_json(m: dict[str, Any]) -> dict[str, Any]:
     name = m["name"]
+    home = "/home/user" if m["provider"] == "qemu" else "/Users/user"
     return {
-        "ConfigDir": {"Path": f"/Users/user/.config/containers/podman/machine/{m['provider']}"},
-        "ConnectionInfo": {"PodmanSocket": {"Path": f"/var/folders/xx/T/podman/{name}-api.sock"},
-                           "PodmanPipe": None},
+        "ConfigDir": {"Path": f"{home}/.config/containers/podman/machine/{m['provider']}"},
+        "ConnectionInfo": {"PodmanSocket": {"Path": _api_socket(name, m["provider"])}, "PodmanPipe": None},
         "Created": m.get("created", _now()),
         "LastUp": m.get("last_up", "0001-01-01T00:00:00Z"),
         "Name": name,
         "Resources": {"CPUs": m.get("cpus", 4), "DiskSize": m.get("disk", 100), "Memory": m.get("memory", 2048),
                       "USBs": []},
-        "SSHConfig": {"IdentityPath": "/Users/user/.local/share/containers/podman/machine/machine",
+        "SSHConfig": {"IdentityPath": f"{home}/.local/share/containers/podman/machine/machine",
                       "Port": 53111, "RemoteUsername": "core"},
         "State": m["state"],
         "UserModeNetworking": True,
@@ -205,7 +214,7 @@ def machine(state: dict[str, Any], args: list[str]) -> int:
         m["last_up"] = _now()
         fakestate.save(state)
         if "--no-info" not in rest and "-q" not in rest and "--quiet" not in rest:
-            print("API forwarding listening on: /var/folders/xx/T/podman/podman-machine-default-api.sock")
+            print(f"API forwarding listening on: {_api_socket(name, provider)}")
         print(f"Machine \"{name}\" started successfully")
         return 0
     if sub == "stop":
