@@ -21,14 +21,28 @@ SHARED_HOME = SHARED_CACHE / "home"
 PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD")
 
 
+@pytest.fixture(scope="session")
+def resident_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The suite's own resident apirctl process (apirctl.resident): the `apirctl` processes the tests
+    start run in it, as a user's do; it is stopped at the end, and never shared with a developer's."""
+    directory = tmp_path_factory.mktemp("resident")
+    directory.chmod(0o700)
+    yield directory
+    from apirctl import resident
+
+    for socket_file in directory.glob("*.sock"):
+        resident.stop(str(socket_file))
+
+
 @pytest.fixture(autouse=True)
-def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resident_dir: Path) -> Path:
     home = tmp_path / "apirctl-home"
     monkeypatch.setenv("APIRCTL_HOME", str(home))
     monkeypatch.setenv("APIRCTL_CACHE_DIR", str(SHARED_CACHE))
     for name in list(os.environ):
         if name.startswith("APIRCTL_") and name not in PASSTHROUGH:
             monkeypatch.delenv(name)
+    monkeypatch.setenv("APIRCTL_RESIDENT_DIR", str(resident_dir))
     return home
 
 

@@ -1,92 +1,49 @@
 """The `apirctl` command line: parsing and printing only.
 
-Each command lives in its own module under `apirctl/cli/`; command modules import
-only typer and the standard library at import time and import the library modules
-that do the work inside the command function, so `apirctl --help` stays fast.
+Each command lives in its own module under `apirctl/cli/` (the typer app is `apirctl.cli.root`);
+command modules import only typer and the standard library at import time and import the library
+modules that do the work inside the command function, so `apirctl --help` stays fast.
+
+The entry point itself imports nothing but the standard library's socket layer: it first hands the
+command to the resident apirctl process (`apirctl.resident`), which runs it in a fork of an
+interpreter that has everything imported already, and only without one runs it here.
 """
 
 from __future__ import annotations
 
 import sys
 
-import typer
+TYPE_CHECKING = False  # `typing` is 15 ms of the entry point's start: only for the type checker
+if TYPE_CHECKING:
+    import typer
 
-from apirctl import __version__
-from apirctl.cli import (
-    apir,
-    backend,
-    bench,
-    chat,
-    config,
-    diagnose,
-    install,
-    machine,
-    models,
-    serve,
-    setup,
-)
-
-app = typer.Typer(
-    name="apirctl",
-    help=(
-        "Near-native GPU speed for llama.cpp in Podman containers, by API remoting: the container's "
-        "GGML backend calls run on the host's GPU.\n\n"
-        "Start here: `apirctl setup`, then `apirctl machine restart --remoting`, "
-        "`apirctl serve smollm2` and `apirctl chat`."
-    ),
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _version(value: bool) -> None:
-    if value:
-        print(f"apirctl {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _root(
-    version: bool = typer.Option(
-        False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
-    ),
-) -> None:
-    """Root options."""
-
-
-app.add_typer(machine.app, name="machine")
-serve.register(app)
-chat.register(app)
-app.add_typer(bench.app, name="bench")
-app.add_typer(models.app, name="models")
-install.register(app)
-app.add_typer(backend.app, name="backend")
-setup.register(app)
-diagnose.register(app)
-app.add_typer(config.app, name="config")
-app.add_typer(apir.app, name="apir")
+    app: typer.Typer
 
 
 def main() -> None:
-    """Console entry point: run the app, turning user-facing errors into one line and an exit code."""
-    import signal
+    """Console entry point: run the command (in the resident process when there is one) and exit
+    with its status; user-facing errors are one line."""
+    from apirctl import resident
 
-    from apirctl.errors import ApirctlError
+    argv = sys.argv[1:]
+    use_resident = resident.enabled()
+    if use_resident:
+        code = resident.run(argv)
+        if code is not None:
+            sys.exit(code)
+    from apirctl.cli.root import run
 
-    def _terminate(signum: int, frame: object) -> None:
-        # `kill`/`timeout` get the same clean-up as Ctrl-C: containers and processes we started go away.
-        raise KeyboardInterrupt
+    code = run(argv)
+    if use_resident:
+        sys.stdout.flush()
+        resident.spawn()
+    sys.exit(code)
 
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        app()
-    except ApirctlError as exc:
-        from apirctl.cli.output import error
 
-        error(exc)
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        print("apirctl: interrupted", file=sys.stderr)
-        sys.exit(130)
+def __getattr__(name: str) -> object:
+    """`from apirctl.cli import app` still gives the typer app, imported only when asked for."""
+    if name == "app":
+        from apirctl.cli.root import app
+
+        return app
+    raise AttributeError(name)

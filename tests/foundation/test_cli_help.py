@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -31,7 +32,8 @@ COMMANDS = _all_commands()
 def run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True,
                           env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent",
-                               "APIRCTL_HOME": "/nonexistent/apirctl"})
+                               "APIRCTL_HOME": "/nonexistent/apirctl",
+                               "APIRCTL_RESIDENT_DIR": os.environ["APIRCTL_RESIDENT_DIR"]})
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "root")

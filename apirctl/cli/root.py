@@ -1,0 +1,124 @@
+"""The `apirctl` typer app: every command group and command, and running it in this process.
+
+Each command lives in its own module under `apirctl/cli/`; command modules import
+only typer and the standard library at import time and import the library modules
+that do the work inside the command function, so `apirctl --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import typer
+import typer.main
+
+from apirctl import __version__
+from apirctl.cli import (
+    apir,
+    backend,
+    bench,
+    chat,
+    config,
+    diagnose,
+    install,
+    machine,
+    models,
+    resident,
+    serve,
+    setup,
+)
+
+app = typer.Typer(
+    name="apirctl",
+    help=(
+        "Near-native GPU speed for llama.cpp in Podman containers, by API remoting: the container's "
+        "GGML backend calls run on the host's GPU.\n\n"
+        "Start here: `apirctl setup`, then `apirctl machine restart --remoting`, "
+        "`apirctl serve smollm2` and `apirctl chat`."
+    ),
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"apirctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", "-V", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Root options."""
+
+
+app.add_typer(machine.app, name="machine")
+serve.register(app)
+chat.register(app)
+app.add_typer(bench.app, name="bench")
+app.add_typer(models.app, name="models")
+install.register(app)
+app.add_typer(backend.app, name="backend")
+setup.register(app)
+diagnose.register(app)
+app.add_typer(config.app, name="config")
+app.add_typer(apir.app, name="apir")
+app.add_typer(resident.app, name="resident")
+
+
+def run(argv: list[str], command: Any = None) -> int:
+    """Run `apirctl argv` in this process and return its exit status (errors become one line).
+
+    `command` is the click command built from `app`; the resident process builds it once
+    (`prepared_runner`), a plain run builds it here.
+    """
+    import signal
+
+    from apirctl.errors import ApirctlError
+
+    def _terminate(signum: int, frame: object) -> None:
+        # `kill`/`timeout` get the same clean-up as Ctrl-C: containers and processes we started go away.
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        (command or typer.main.get_command(app))(args=argv, prog_name="apirctl")
+    except SystemExit as exc:
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except ApirctlError as exc:
+        from apirctl.cli.output import error
+
+        error(exc)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("apirctl: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def prepared_runner() -> Callable[[list[str]], int]:
+    """Build the command tree and each option's converter now, for a process that forks per command."""
+    command = typer.main.get_command(app)
+
+    def warm(cmd: Any) -> None:
+        for param in getattr(cmd, "params", []):
+            builder = getattr(param, "get_runtime_param", None)
+            if builder is not None:
+                with contextlib.suppress(Exception):  # an optimisation: parsing builds it again
+                    builder()
+        for sub in (getattr(cmd, "commands", None) or {}).values():
+            warm(sub)
+
+    warm(command)
+    return lambda argv: run(argv, command)

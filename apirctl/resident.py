@@ -1,0 +1,443 @@
+"""A warm apirctl process that runs commands in forks of itself, so a command starts in milliseconds.
+
+Why: every `apirctl` process pays for the interpreter, typer, pydantic and apirctl's own modules
+(0.25-0.4 s on a small machine) before it does anything, which is most of the difference between
+`apirctl serve` and `podman run` (docs/performance.md). The resident process imports all of that
+once; each command then runs in a `fork()` of it, with the caller's arguments, environment,
+working directory and terminal (its stdin, stdout and stderr are passed over a unix socket with
+SCM_RIGHTS), so it behaves as if it had been started directly.
+
+The client half (`run`) is what `apirctl` does first: it needs only the standard library's socket
+layer. When no resident process answers, the command runs in the calling process as before, and a
+resident process is started in the background for the next command (`spawn`). It exits after
+`IDLE_SECONDS` without a command, and at once when apirctl's code or installed packages changed
+since it started (so an upgrade or an edit is never served by stale code). `APIRCTL_RESIDENT=0`
+turns it off; `apirctl resident status|stop` shows and stops it.
+
+Security: the socket lives in a directory only the user can enter (mode 0700), and on Linux each
+connection's peer uid is checked (SO_PEERCRED) before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+import zlib
+
+TYPE_CHECKING = False  # typing and pathlib cost the client 20 ms of a 60 ms start: not imported at run time
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+PROTOCOL = 1
+IDLE_SECONDS = 15 * 60
+ENV_SWITCH = "APIRCTL_RESIDENT"  # "0" turns the resident process off
+ENV_DIR = "APIRCTL_RESIDENT_DIR"  # where the socket lives (tests use their own)
+# Signals the client passes on to the command's process (it is not in the terminal's process group).
+FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGWINCH", "SIGUSR1", "SIGUSR2")
+_HEADER = struct.Struct("!I")
+
+
+# --- where -------------------------------------------------------------------------------------
+
+
+def enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
+    return environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "no", "false", "off")
+
+
+def runtime_dir() -> str:
+    """A per-user directory for the socket: $APIRCTL_RESIDENT_DIR, $XDG_RUNTIME_DIR/apirctl or /tmp."""
+    explicit = os.environ.get(ENV_DIR)
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    if base and os.path.isdir(base):
+        return os.path.join(base, "apirctl")
+    return f"/tmp/apirctl-{os.getuid()}"
+
+
+def _package_dir() -> str:
+    return os.path.dirname(os.path.abspath(__file__))
+
+
+def identity() -> str:
+    """What a resident process must share with its caller to run its commands: the interpreter,
+    this copy of apirctl and the import path (without its first entry, the script's folder or the
+    working directory, which differ between `apirctl` and `python -m apirctl`)."""
+    return "\0".join([os.path.realpath(sys.executable), _package_dir(), *sys.path[1:]])
+
+
+def socket_path() -> str:
+    key = zlib.crc32(identity().encode()) & 0xFFFFFFFF
+    return os.path.join(runtime_dir(), f"resident-{key:08x}.sock")
+
+
+# --- client ------------------------------------------------------------------------------------
+
+
+def run(argv: list[str]) -> int | None:
+    """Run `apirctl argv` in the resident process; None when none answers (run it here then).
+
+    Blocks until the command ends and returns its exit status. Signals that reach this process
+    (Ctrl-C, `kill`, a terminal resize) are passed on to the command's process.
+    """
+    path = socket_path()
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(path)
+    except OSError:
+        conn.close()
+        return None
+    with conn:
+        try:
+            os.getcwd()
+        except OSError:  # a deleted working directory: nothing to pass on
+            return None
+        request = {
+            "protocol": PROTOCOL,
+            "argv": argv,
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+            "umask": _current_umask(),
+            "encoding": [getattr(stream, "encoding", None) or "utf-8" for stream in (sys.stdout, sys.stderr)],
+        }
+        payload = json.dumps(request).encode()
+        try:
+            socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], [0, 1, 2])
+        except OSError:  # a closed stdin or stdout cannot be passed: run here
+            return None
+        return _await_exit(conn)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _await_exit(conn: socket.socket) -> int | None:
+    """Read the command's pid, then its exit status; forward signals in between."""
+    reader = conn.makefile("rb")
+    pid = 0
+    pending: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if pid:
+            try:  # noqa: SIM105 - contextlib is 5 ms of the client's start
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        else:
+            pending.append(signum)
+
+    def suspend(signum: int, frame: object) -> None:
+        """Ctrl-Z: stop the command too, and resume it with this process."""
+        if pid:
+            os.kill(pid, signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)
+        signal.signal(signal.SIGTSTP, suspend)  # running again (`fg`)
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+
+    for name in FORWARDED:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), forward)
+    if hasattr(signal, "SIGTSTP"):
+        signal.signal(signal.SIGTSTP, suspend)
+    while True:
+        try:
+            line = reader.readline()
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for safety
+            continue
+        if not line:
+            # The connection closed without a status: the command's process was killed.
+            if pid == 0:
+                return None
+            print("apirctl: the command's process ended without an exit status", file=sys.stderr)
+            return 1
+        message = json.loads(line)
+        if message.get("stale"):
+            return None
+        if "pid" in message:
+            pid = int(message["pid"])
+            for signum in pending:
+                forward(signum, None)
+            pending.clear()
+        if "exit" in message:
+            return int(message["exit"])
+
+
+def spawn() -> None:
+    """Start a resident process in the background (no-op if one is starting or running)."""
+    import subprocess
+
+    directory = runtime_dir()
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if os.stat(directory).st_uid != os.getuid():
+            return  # someone else's directory: never serve from it
+        log = open(socket_path().removesuffix(".sock") + ".log", "ab")  # noqa: SIM115 - closed below
+    except OSError:
+        return
+    with log:
+        # The caller's import path, whole: the resident process must import the very modules the
+        # caller would (`python -m apirctl` puts the working directory first).
+        boot = f"import sys; sys.path[:] = {sys.path!r}; from apirctl.resident import main; main()"
+        subprocess.Popen(
+            [sys.executable, "-c", boot, socket_path()],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+            cwd="/",
+        )
+
+
+def status() -> dict[str, Any]:
+    """Whether a resident process serves this apirctl, with its pid and socket."""
+    path = socket_path()
+    answer = _ask(path, {"protocol": PROTOCOL, "query": "status"})
+    return {"running": answer is not None, "socket": path, **(answer or {})}
+
+
+def stop(path: str | None = None) -> bool:
+    """Ask the resident process (of this apirctl, or the one at `path`) to exit; True if one was running."""
+    return _ask(path or socket_path(), {"protocol": PROTOCOL, "query": "stop"}) is not None
+
+
+def _ask(path: str, request: dict[str, Any]) -> dict[str, Any] | None:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(5)
+            conn.connect(path)
+            payload = json.dumps(request).encode()
+            conn.sendall(_HEADER.pack(len(payload)) + payload)
+            line = conn.makefile("rb").readline()
+    except OSError:
+        return None
+    return dict(json.loads(line)) if line else None
+
+
+# --- the resident process ----------------------------------------------------------------------
+
+
+def _fingerprint() -> tuple[Any, ...]:
+    """Changes when apirctl's files or the installed packages change (an edit, an upgrade)."""
+    stamps: list[Any] = []
+    for root, dirs, files in os.walk(_package_dir()):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            if name.endswith(".py"):
+                info = os.stat(os.path.join(root, name))
+                stamps.append((name, info.st_mtime_ns, info.st_size))
+    for entry in sys.path:
+        if entry.endswith("site-packages") and os.path.isdir(entry):
+            stamps.append((entry, os.stat(entry).st_mtime_ns))
+    return tuple(stamps)
+
+
+def _prewarm() -> Callable[[list[str]], int]:
+    """Import everything a command needs and build the command tree once; returns the runner."""
+    import contextlib
+    import importlib
+
+    from apirctl.cli import root
+
+    for module in ("pydantic", "httpx", "podman", "rich.console", "rich.progress", "rich.table", "rich.markup",
+                   "apirctl.config", "apirctl.serve", "apirctl.models", "apirctl.engine", "apirctl.libpod",
+                   "apirctl.image", "apirctl.llamacpp", "apirctl.transport", "apirctl.machine", "apirctl.chat",
+                   "apirctl.doctor"):
+        with contextlib.suppress(ImportError):  # an optional part: a command imports it itself if needed
+            importlib.import_module(module)
+    return root.prepared_runner()
+
+
+def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+    if len(data) < _HEADER.size:
+        raise ValueError("short request")
+    (size,) = _HEADER.unpack(data[: _HEADER.size])
+    body = data[_HEADER.size:]
+    while len(body) < size:
+        chunk = conn.recv(size - len(body))
+        if not chunk:
+            raise ValueError("truncated request")
+        body += chunk
+    return json.loads(body), list(fds)
+
+
+def _peer_is_us(conn: socket.socket) -> bool:
+    if not hasattr(socket, "SO_PEERCRED"):  # macOS: the 0700 directory is the guard
+        return True
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+    try:  # noqa: SIM105 - the caller may be gone; nothing to do then
+        conn.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass
+
+
+def _claim(path: str) -> object | None:
+    """The lock that makes one process the resident one for `path` (held for its whole life);
+    None when another process holds it (running, or warming up)."""
+    import fcntl
+
+    directory = os.path.dirname(path)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    info = os.stat(directory)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise SystemExit(f"apirctl resident: {directory} is not private to this user")
+    lock = open(path + ".lock", "w")  # noqa: SIM115 - held for the life of the process
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        return None
+    return lock
+
+
+def _bind(path: str) -> socket.socket:
+    if os.path.exists(path):  # left by a process that was killed: the lock says it is gone
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    return listener
+
+
+def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
+    """The resident process: warm up, then fork a child for each command until idle or stale."""
+    lock = _claim(path)
+    if lock is None:
+        return
+    fingerprint = _fingerprint()
+    runner = _prewarm()
+    listener = _bind(path)  # only now: a command that comes during the warm-up runs by itself
+    identity_inode = os.stat(path).st_ino
+
+    def reap(signum: int, frame: object) -> None:
+        while True:
+            try:
+                pid, _status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+
+    signal.signal(signal.SIGCHLD, reap)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    listener.settimeout(idle)
+    served = 0
+    try:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                return
+            with conn:
+                conn.settimeout(None)
+                if not _peer_is_us(conn):
+                    continue
+                try:
+                    request, fds = _receive(conn)
+                except (OSError, ValueError):
+                    continue
+                if request.get("protocol") != PROTOCOL or _fingerprint() != fingerprint:
+                    for fd in fds:
+                        os.close(fd)
+                    _reply(conn, {"stale": True})
+                    return
+                query = request.get("query")
+                if query:
+                    _reply(conn, {"pid": os.getpid(), "idle_seconds": idle, "served": served})
+                    if query == "stop":
+                        return
+                    continue
+                if len(fds) != 3:
+                    for fd in fds:
+                        os.close(fd)
+                    continue
+                served += 1
+                child = os.fork()
+                if child == 0:
+                    listener.close()
+                    _child(conn, request, fds, runner)  # never returns
+                for fd in fds:
+                    os.close(fd)
+    finally:
+        listener.close()
+        try:
+            if os.stat(path).st_ino == identity_inode:  # never remove a successor's socket
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner: Callable[[list[str]], int]) -> None:
+    """Become the caller's command: its stdio, environment, directory and arguments; then run it."""
+    import contextlib
+
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupt)  # before the pid goes out: the caller forwards from then on
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.umask(int(request["umask"]))
+        os.environ.clear()
+        os.environ.update(request["env"])
+        _reopen_stdio(request.get("encoding") or ["utf-8", "utf-8"])
+        argv = list(request["argv"])
+        sys.argv = ["apirctl", *argv]
+        _reply(conn, {"pid": os.getpid()})
+        code = runner(argv)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # noqa: BLE001 - the child must always report and exit
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):  # a closed pipe: the status still goes back
+                stream.flush()
+        _reply(conn, {"exit": code})
+        os._exit(code)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _reopen_stdio(encodings: list[str]) -> None:
+    """Fresh text streams on fds 0-2, buffered the way Python would for the caller's files."""
+    import io
+
+    out_enc, err_enc = (encodings + ["utf-8", "utf-8"])[:2]
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding=out_enc)
+    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding=out_enc,
+                                  line_buffering=os.isatty(1))
+    sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding=err_enc,
+                                  errors="backslashreplace", line_buffering=True)
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python -m apirctl.resident SOCKET (apirctl starts it by itself)")
+    serve_forever(sys.argv[1])
+
+
+if __name__ == "__main__":
+    main()
