@@ -144,11 +144,13 @@ def test_endpoint_down_is_one_line() -> None:
 
 
 def test_plot_without_matplotlib_fails_before_benchmarking(tmp_path: Path) -> None:
-    """matplotlib blocked at import, as in an install without the `plot` extra."""
+    """matplotlib blocked at import, as in an install without the `plot` extra (in this process: the
+    resident process, which has matplotlib, is kept out of it)."""
     code = ("import sys; sys.modules['matplotlib'] = None; sys.argv = ['apirctl'] + sys.argv[1:]; "
             "from apirctl.cli import main; main()")
     proc = subprocess.run([sys.executable, "-c", code, "bench", str(tmp_path / "absent.gguf"), "--plot",
-                           str(tmp_path / "x.png")], capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
+                           str(tmp_path / "x.png")], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "APIRCTL_RESIDENT": "0"})
     one_line_error(proc, "--plot needs matplotlib")
     assert "apirctl[plot]" in proc.stderr
     assert not (tmp_path / "x.png").exists()
