@@ -8,9 +8,14 @@ containers are removed between runs, outside the timing. Target: ratio of median
 
     python benchmarks/serve_ready.py [--runs 7] [--model PATH] [--json FILE] [--baseline-tree DIR]
 
+`apirctl serve` runs as users run it: through the resident apirctl process (apirctl.resident), which
+the warm-up run starts. `--no-resident` also times it with APIRCTL_RESIDENT=0 (every command in a fresh
+interpreter: what the first command after a boot or an upgrade costs).
+
 `--baseline-tree DIR` also times `python -m apirctl serve` run from another checkout (a git worktree of
-an older commit: `git worktree add --detach DIR COMMIT`), interleaved with the other two, for a
-before/after under the same machine load.
+an older commit: `git worktree add --detach DIR COMMIT`), interleaved with the others, for a
+before/after under the same machine load. Run the benchmark itself from a checkout nobody edits
+(PYTHONPATH=that checkout): an edit of apirctl's files retires the resident process mid-run.
 """
 
 from __future__ import annotations
@@ -88,6 +93,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="a GGUF file (default: the demo model from the store)")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--baseline-tree", type=Path, help="also time apirctl from this checkout (before/after)")
+    parser.add_argument("--no-resident", action="store_true",
+                        help="also time apirctl serve without the resident process (APIRCTL_RESIDENT=0)")
     args = parser.parse_args()
 
     from apirctl import engine, image, llamacpp, models
@@ -105,7 +112,9 @@ def main() -> None:
     tree = args.baseline_tree.resolve() if args.baseline_tree else None
     sides = {"ours": lambda: time_apirctl(model, env), "podman": lambda: time_podman_run(model, tag, env)}
     if tree:
-        sides["baseline"] = lambda: time_apirctl(model, env, tree)
+        sides["baseline"] = lambda: time_apirctl(model, {**env, "APIRCTL_RESIDENT": "0"}, tree)
+    if args.no_resident:
+        sides["cold"] = lambda: time_apirctl(model, {**env, "APIRCTL_RESIDENT": "0"})
     for measure in sides.values():  # warm-up: page cache, image layers, the service
         measure()
     times: dict[str, list[float]] = {key: [] for key in sides}
@@ -114,7 +123,8 @@ def main() -> None:
         for key in order[run % len(order):] + order[:run % len(order)]:  # rotate who goes first
             times[key].append(sides[key]())
         line = f"run {run + 1}: apirctl serve {times['ours'][-1]:.3f} s, podman run + poll {times['podman'][-1]:.3f} s"
-        print(line + (f", baseline tree {times['baseline'][-1]:.3f} s" if tree else ""), flush=True)
+        line += f", baseline tree {times['baseline'][-1]:.3f} s" if tree else ""
+        print(line + (f", no resident {times['cold'][-1]:.3f} s" if args.no_resident else ""), flush=True)
     ours, theirs = times["ours"], times["podman"]
     result = {
         "runs": args.runs,
@@ -132,6 +142,13 @@ def main() -> None:
             "baseline_median_s": round(statistics.median(base), 3),
             "baseline_ratio": round(statistics.median(base) / statistics.median(theirs), 3),
             "baseline_s": [round(x, 3) for x in base],
+        })
+    if args.no_resident:
+        cold = times["cold"]
+        result.update({
+            "no_resident_median_s": round(statistics.median(cold), 3),
+            "no_resident_ratio": round(statistics.median(cold) / statistics.median(theirs), 3),
+            "no_resident_s": [round(x, 3) for x in cold],
         })
     print(json.dumps(result, indent=2))
     if args.json:

@@ -172,8 +172,17 @@ def run_remoting(ctx: Context) -> ModeOutcome:
     requested = settings.transport
     if requested == "none":
         raise Skipped("the transport setting is `none` (set it to auto, rpc or virtgpu)")
+    client = ctx.client
+    if client == "container" and shutil.which("podman") is None:
+        client = "host"
+        ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
+    door = None
+    if client == "host":  # it dials the backend's 127.0.0.1 itself: no container network door is needed
+        from apirctl.hostloopback import HostLoopback
+
+        door = HostLoopback(mode="slirp4netns", why="unused: the host client dials 127.0.0.1")
     try:
-        plan = transport.plan(requested, ngl=ctx.params.ngl, rpc_port=settings.rpc_port)
+        plan = transport.plan(requested, ngl=ctx.params.ngl, rpc_port=settings.rpc_port, loopback=door)
     except ApirctlError as exc:
         raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
     if not plan.remoting:
@@ -187,10 +196,6 @@ def run_remoting(ctx: Context) -> ModeOutcome:
         raise Skipped(f"the remoting backend serves one client at a time and is in use by {users} "
                       f"(stop it with `apirctl stop` to bench remoting)")
     ctx.facts["transport"] = plan.transport
-    client = ctx.client
-    if client == "container" and shutil.which("podman") is None:
-        client = "host"
-        ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
     if client == "host":
         if plan.transport != "rpc":
             raise Skipped(f"the host client reaches the backend over rpc only, not {plan.transport} "
