@@ -245,10 +245,13 @@ def _prewarm() -> Callable[[list[str]], int]:
 
     from apirctl.cli import root
 
-    for module in ("pydantic", "httpx", "podman", "rich.console", "rich.progress", "rich.table", "rich.markup",
+    # What the common commands import inside their functions (httpx loads httpcore and h11 only when a
+    # client is made: 80 ms of the first `chat`); not the rare heavy ones (gguf with numpy, matplotlib).
+    for module in ("pydantic", "httpx", "httpcore", "h11", "podman", "rich.console", "rich.progress",
+                   "rich.table", "rich.markup", "rich.live", "rich.markdown",
                    "apirctl.config", "apirctl.serve", "apirctl.models", "apirctl.engine", "apirctl.libpod",
-                   "apirctl.image", "apirctl.llamacpp", "apirctl.transport", "apirctl.machine", "apirctl.chat",
-                   "apirctl.doctor"):
+                   "apirctl.image", "apirctl.llamacpp", "apirctl.transport", "apirctl.hostloopback",
+                   "apirctl.machine", "apirctl.chat", "apirctl.doctor", "apirctl.bench"):
         with contextlib.suppress(ImportError):  # an optional part: a command imports it itself if needed
             importlib.import_module(module)
     return root.prepared_runner()
