@@ -165,6 +165,13 @@ def _connect_host(host_ip: str) -> str:
     return host_ip
 
 
+def _publish_ip(host_ip: str) -> str:
+    """The host address to ask Podman for: "" for every IPv4 interface. Netavark before 1.6 (Podman 4)
+    turns an explicit 0.0.0.0 into a rule for the literal address 0.0.0.0, which no connection has,
+    so `--host-ip 0.0.0.0` published a port nothing could reach."""
+    return "" if host_ip == "0.0.0.0" else host_ip
+
+
 def _url(host_ip: str, port: int) -> str:
     host = _connect_host(host_ip)
     if ":" in host:
@@ -594,7 +601,7 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
         entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"],
         labels=_labels(opts, plan, model.path, model.name),
         mounts=[BindMount(source=model.path, target=f"{MODELS_DIR}/{model.filename}", read_only=True)],
-        ports={CONTAINER_PORT: (opts.host_ip, opts.port)},
+        ports={CONTAINER_PORT: (_publish_ip(opts.host_ip), opts.port)},
     )
     spec = plan.apply(spec)
     spec.command += opts.llama_args

@@ -218,3 +218,17 @@ def test_api_key_protects_the_api_but_not_health(
     assert httpx.get(models, timeout=10, headers={"Authorization": "Bearer s3cret"}).status_code == 200
     row = next(s for s in json.loads(apirctl("ps", "--json").stdout) if s["name"] == name)
     assert row["health"] == "ok"  # /health stays public, so ps can still tell
+
+
+def test_every_interface_is_reachable_on_loopback_too(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    """`--host-ip 0.0.0.0` publishes on every interface, loopback included (with Podman 4's netavark
+    an explicit 0.0.0.0 used to publish on no address at all)."""
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
+                   "--host-ip", "0.0.0.0", "--ctx-size", "1024", "--json", "--timeout", "120")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["url"] == f"http://127.0.0.1:{port}/v1"
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
+    row = next(s for s in json.loads(apirctl("ps", "--json").stdout) if s["name"] == name)
+    assert row["health"] == "ok"
