@@ -105,6 +105,16 @@ def main() -> None:
         raise SystemExit("no container build: run `apirctl setup` first")
     tag = image.ensure(build)
     env = engine.podman_env()
+    # As installed: pip writes the bytecode at install time. A shell with PYTHONDONTWRITEBYTECODE (or a
+    # fresh checkout without __pycache__) would time the compiler on every start instead.
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    import compileall
+
+    import apirctl
+
+    compileall.compile_dir(Path(apirctl.__file__).parent, quiet=1)
+    if args.baseline_tree:
+        compileall.compile_dir(args.baseline_tree / "apirctl", quiet=1)
     engine.discover()  # the service is up before either side is timed
     if shutil.which("podman") is None:
         raise SystemExit("podman is not installed")
