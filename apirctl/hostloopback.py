@@ -83,7 +83,8 @@ class HostLoopback(BaseModel):
         return {}
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """A name or address of this host's loopback (localhost, 127.0.0.0/8, ::1)."""
     import ipaddress
 
     if host == "localhost":
@@ -131,8 +132,8 @@ def where_containers_run(url: str | None, machine_sockets: Callable[[], set[str]
         return "here"
     host = parts.hostname or ""
     if parts.scheme == "ssh":
-        return "machine" if _is_loopback(host) else "remote"
-    return "here" if _is_loopback(host) else "remote"
+        return "machine" if is_loopback(host) else "remote"
+    return "here" if is_loopback(host) else "remote"
 
 
 def _endpoint_url() -> str | None:

@@ -127,17 +127,6 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, insecure_network: bool = False,
                     ssh_args: list[str] | None = None, requested: str = "rpc",
                     loopback: HostLoopback | None = None) -> Plan:
@@ -149,7 +138,7 @@ def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, i
     non-loopback address is refused unless `insecure_network`: the RPC protocol has no
     authentication.
     """
-    from apirctl import tunnel
+    from apirctl import hostloopback, tunnel
 
     if not backends:
         raise ApirctlError("no --rpc-backend given")
@@ -166,7 +155,7 @@ def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, i
                 opened.append(t.pid)
                 local_ports.append(t.local_port)
                 endpoints.append(door.endpoint(t.local_port))
-            elif is_loopback(host):
+            elif hostloopback.is_loopback(host):
                 door = _door(door)
                 local_ports.append(port)
                 endpoints.append(door.endpoint(port))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from apirctl import transport, tunnel
+from apirctl import hostloopback, transport, tunnel
 from apirctl.errors import ApirctlError
 from apirctl.machine import rpc_client
 from tests.linux_remoting.conftest import free_port
@@ -37,8 +37,8 @@ def test_bad_backend_addresses_are_one_line_errors(text: str) -> None:
 def test_ipv6_and_names_parse() -> None:
     assert transport.parse_endpoint("[::1]:50052") == ("::1", 50052)
     assert transport.parse_endpoint("gpu-box.lan:50052") == ("gpu-box.lan", 50052)
-    assert transport.is_loopback("::1") and transport.is_loopback("127.0.0.2") and transport.is_loopback("localhost")
-    assert not transport.is_loopback("192.0.2.10") and not transport.is_loopback("gpu-box.lan")
+    assert all(hostloopback.is_loopback(host) for host in ("::1", "127.0.0.2", "localhost"))
+    assert not hostloopback.is_loopback("192.0.2.10") and not hostloopback.is_loopback("gpu-box.lan")
 
 
 def test_loopback_backends_go_through_the_host_loopback_mapping() -> None:
