@@ -1,4 +1,4 @@
-"""Transports: the wiring each one adds, how `auto` decides, and rpc for real over slirp4netns."""
+"""Transports: the wiring each one adds, how `auto` decides, and rpc for real over slirp4netns and pasta."""
 
 from __future__ import annotations
 
@@ -76,9 +76,30 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _no_pasta_podman() -> str | None:
+    """Why a pasta container cannot run here, or None."""
+    from apirctl import hostloopback
+
+    try:
+        version = engine.podman_version()
+    except Exception as exc:  # noqa: BLE001 - any failure means: no podman to test with
+        return f"no usable podman ({exc})"
+    if version < hostloopback.PASTA_MIN_PODMAN:
+        return f"podman {'.'.join(map(str, version))} has no pasta network (4.4 or newer)"
+    return None
+
+
 @pytest.mark.integration
-def test_rpc_plan_runs_llama_bench_on_a_host_rpc_server(llama_build, llama_image: str, demo_model: Path) -> None:  # type: ignore[no-untyped-def]
-    """The rpc wiring for real: a container reaches ggml-rpc-server bound to the host's 127.0.0.1."""
+@pytest.mark.parametrize("mode", ["slirp4netns", "pasta"])
+def test_rpc_plan_runs_llama_bench_on_a_host_rpc_server(llama_build, llama_image: str, demo_model: Path,  # type: ignore[no-untyped-def]
+                                                        mode: str) -> None:
+    """The rpc wiring for real: a container reaches ggml-rpc-server bound to the host's 127.0.0.1
+    through its network's host-loopback door."""
+    from apirctl.hostloopback import HostLoopback
+
+    if mode == "pasta" and (why := _no_pasta_podman()):
+        pytest.skip(why)
+    door = HostLoopback(mode=mode)  # type: ignore[arg-type]
     port = _free_port()
     server = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -89,7 +110,7 @@ def test_rpc_plan_runs_llama_bench_on_a_host_rpc_server(llama_build, llama_image
                 if probe.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.05)
-        plan = transport.rpc_plan(port, ngl=99)
+        plan = transport.rpc_plan(port, ngl=99, loopback=door)
         spec = plan.apply(engine.ContainerSpec(
             image=llama_image, name=f"apirctl-test-{uuid.uuid4().hex[:8]}", entrypoint=["/app/bin/llama-bench"],
             command=["-m", "/models/demo.gguf", "-p", "8", "-n", "2", "-r", "1", "-o", "json"],
@@ -97,7 +118,7 @@ def test_rpc_plan_runs_llama_bench_on_a_host_rpc_server(llama_build, llama_image
         ))
         result = engine.run_once(spec, timeout=300)
         assert result.exit_code == 0, result.output[-2000:]
-        assert f"10.0.2.2:{port}" in result.output  # llama-bench reports the RPC device it used
+        assert door.endpoint(port) in result.output  # llama-bench reports the RPC device it used
     finally:
         server.terminate()
         server.wait(timeout=30)

@@ -25,11 +25,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from apirctl import engine, hostloopback, transport
+from apirctl import hostloopback, transport
 from apirctl.hostloopback import HostLoopback
 
 PASTA = shutil.which("pasta")
@@ -189,35 +188,5 @@ def test_a_neighbour_cannot_reach_the_backend(sandbox: Sandbox, backend: int) ->
     assert answer[0].startswith("failed")
 
 
-def _podman_has_pasta() -> str | None:
-    """Why a pasta container cannot run here, or None."""
-    try:
-        version = engine.podman_version()
-    except Exception as exc:  # noqa: BLE001 - any failure means: no podman to test with
-        return f"no usable podman ({exc})"
-    if version < hostloopback.PASTA_MIN_PODMAN:
-        return f"podman {'.'.join(map(str, version))} has no pasta network (4.4 or newer)"
-    return None
-
-
-@pytest.mark.skipif(_podman_has_pasta() is not None, reason=str(_podman_has_pasta()))
-def test_a_pasta_container_runs_llama_bench_on_the_host_backend(llama_build, llama_image: str,  # type: ignore[no-untyped-def]
-                                                               demo_model: Path) -> None:
-    from tests.linux_remoting.conftest import free_port
-
-    port = free_port()
-    server = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        plan = transport.rpc_plan(port, ngl=99, loopback=HostLoopback(mode="pasta"))
-        spec = plan.apply(engine.ContainerSpec(
-            image=llama_image, name=f"apirctl-test-{uuid.uuid4().hex[:8]}", entrypoint=["/app/bin/llama-bench"],
-            command=["-m", "/models/demo.gguf", "-p", "8", "-n", "2", "-r", "1", "-o", "json"],
-            mounts=[engine.BindMount(source=demo_model, target="/models/demo.gguf")],
-        ))
-        result = engine.run_once(spec, timeout=300)
-        assert result.exit_code == 0, result.output[-2000:]
-        assert f"127.0.0.1:{port}" in result.output  # llama-bench names the RPC device it used
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+# The pasta container test (a real container, when podman has pasta) is
+# tests/engine/test_transport.py::test_rpc_plan_runs_llama_bench_on_a_host_rpc_server[pasta].
