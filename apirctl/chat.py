@@ -14,7 +14,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -34,10 +34,11 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.status import Status
 
+    from apirctl.chatview import AnswerView
+
 Message = dict[str, str]
 
 POLL_INTERVAL = 0.2  # seconds between retries while the server answers 503
-HISTORY_LENGTH = 1000
 
 
 def normalize_base_url(url: str) -> str:
@@ -467,45 +468,17 @@ def format_stats(reply: Reply | None) -> str:
     return "\n".join(lines)
 
 
-def history_file() -> Path:
-    """Where the interactive prompt keeps its line history across sessions."""
-    from apirctl.paths import dirs
-
-    return dirs().state / "chat_history"
-
-
-class _Readline:
-    """Line editing and persistent history through the stdlib `readline`, when the platform has it."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            import readline
-        except ImportError:  # pragma: no cover - Windows without pyreadline
-            self.readline: Any = None
-            return
-        self.readline = readline
-        readline.set_history_length(HISTORY_LENGTH)
-        if path.exists():
-            with suppress(OSError):
-                readline.read_history_file(str(path))
-
-    def save(self) -> None:
-        if self.readline is None:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.readline.write_history_file(str(self.path))
-        except OSError:
-            pass
-
-
-HELP = """\
+HELP = '''\
 /clear         forget the conversation (keeps the system prompt)
 /system TEXT   set the system prompt (without TEXT: show it)
 /stats         prompt and generation speed of the last answer
 /exit          leave (also /quit, /bye or Ctrl-D)
-Ctrl-C stops the current answer; Up/Down recall earlier lines, also from past sessions."""
+Messages of several lines:
+  """            on a line of its own opens a block; a line of """ alone sends it
+  line \\         a backslash at the end of a line continues the message on the next one
+  paste          pasted text, newlines included, is sent as one message on Enter
+Ctrl-C stops the current answer (or drops a message being written); Up/Down recall earlier lines,
+also from past sessions.'''
 
 
 class Session:
@@ -520,6 +493,7 @@ class Session:
         temperature: float | None = None,
         out: TextIO | None = None,
         history: Path | None = None,
+        markdown: bool = False,
     ) -> None:
         self.client = client
         self.console = console
@@ -527,7 +501,8 @@ class Session:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self.out = out or sys.stdout
-        self.history_path = history or history_file()
+        self.history_path = history
+        self.markdown = markdown
         self.messages: list[Message] = []
         self.last: Reply | None = None
         self.clear()
@@ -541,10 +516,10 @@ class Session:
         self.messages = ([{"role": "system", "content": text}] if text else []) + turns
 
     def command(self, line: str) -> bool:
-        """Run a slash command; False means leave the session."""
-        name, _, arg = line.partition(" ")
+        """Run a slash command; False means leave the session. Its argument may span lines."""
+        name, *rest = line.split(maxsplit=1)
         name = name.lower()
-        arg = arg.strip()
+        arg = rest[0].strip() if rest else ""
         if name in ("/exit", "/quit", "/bye"):
             return False
         if name == "/clear":
@@ -555,7 +530,7 @@ class Session:
                 self.set_system(arg)
                 self.console.print("[dim]system prompt set[/]")
             else:
-                shown = self.system if self.system else "(none)"
+                shown = _escape(self.system) if self.system else "(none)"
                 self.console.print(f"[dim]system prompt:[/] {shown}", markup=True, highlight=False)
         elif name == "/stats":
             self.console.print(format_stats(self.last), markup=False, highlight=False)
@@ -565,12 +540,18 @@ class Session:
             self.console.print(f"unknown command {name}; /help lists them", markup=False, highlight=False)
         return True
 
+    def _view(self) -> AnswerView:
+        from apirctl.chatview import MarkdownView, PlainView  # the session's modules: not paid by `chat -p`
+
+        return MarkdownView(self.console) if self.markdown else PlainView(self.out)
+
     def ask(self, text: str) -> Reply | None:
         """Send one user turn and stream the answer; the turn joins the history only if it succeeded."""
         self.messages.append({"role": "user", "content": text})
         status: Status | None = None
         started = time.monotonic()
         shown: list[str] = []
+        view = self._view()
 
         def stop_spinner() -> None:
             nonlocal status
@@ -589,8 +570,7 @@ class Session:
         def on_token(piece: str) -> None:
             stop_spinner()
             shown.append(piece)
-            self.out.write(piece)
-            self.out.flush()
+            view.token(piece)
 
         try:
             status = self.console.status("[dim]waiting for the server…[/]", spinner="dots")
@@ -608,17 +588,14 @@ class Session:
         except ApirctlError as exc:
             stop_spinner()
             self.messages.pop()
-            if shown:
-                self.out.write("\n")
+            view.abort()
             self.console.print(f"[bold red]error:[/] {_escape(exc.message)}")
             if exc.hint:
                 self.console.print(f"[dim]hint: {_escape(exc.hint)}[/]")
             return None
         finally:
             stop_spinner()
-        if reply.content and not reply.content.endswith("\n"):
-            self.out.write("\n")
-        self.out.flush()
+        view.finish(reply.content)
         if reply.interrupted:
             self.console.print("[dim]\\[interrupted][/]")
         if reply.content:
@@ -631,34 +608,46 @@ class Session:
     def banner(self, where: str) -> None:
         self.console.print(
             f"[bold]apirctl chat[/] with {_escape(where)}\n"
-            "[dim]/help for commands · Ctrl-C stops an answer · /exit or Ctrl-D quits[/]"
+            '[dim]/help for commands · """ or a line ending in \\ for several lines\n'
+            "Ctrl-C stops an answer · /exit or Ctrl-D quits[/]"
         )
 
-    def run(self, prompt: str = ">>> ") -> None:
-        """The loop: read a line (with readline editing), run a command or ask, until /exit or EOF."""
-        editor = _Readline(self.history_path)
+    def run(self) -> None:
+        """The loop: read input (readline editing, several lines when asked), run a command or ask,
+        until /exit or end of input."""
+        from apirctl.chatinput import Composer, LineEditor, history_file
+
+        editor = LineEditor(self.history_path or history_file())
+        composer = Composer()
         try:
             while True:
                 try:
-                    line = input(prompt)
+                    entries = composer.feed(input(composer.prompt))
                 except EOFError:
                     self.out.write("\n")
-                    break
+                    pending = composer.finish()  # Ctrl-D in a block sends it; at the prompt it quits
+                    if pending is None:
+                        break
+                    entries = [pending]
                 except KeyboardInterrupt:
                     self.out.write("\n")
-                    self.console.print("[dim](Ctrl-C cancels a line or an answer; /exit or Ctrl-D quits)[/]")
+                    if composer.pending:
+                        composer.cancel()
+                        self.console.print("[dim](message dropped)[/]")
+                    else:
+                        self.console.print("[dim](Ctrl-C cancels a line or an answer; /exit or Ctrl-D quits)[/]")
                     continue
-                text = line.strip()
-                if not text:
-                    continue
-                if text.startswith("/"):
-                    if not self.command(text):
-                        break
-                    continue
-                try:
-                    self.ask(text)
-                except KeyboardInterrupt:  # a second Ctrl-C while the first one was being handled
-                    self.out.write("\n")
+                for entry in entries:
+                    if not entry.text:
+                        continue
+                    if entry.command:
+                        if not self.command(entry.text):
+                            return
+                        continue
+                    try:
+                        self.ask(entry.text)
+                    except KeyboardInterrupt:  # a second Ctrl-C while the first one was being handled
+                        self.out.write("\n")
         finally:
             editor.save()
 

@@ -17,7 +17,9 @@ EPILOG = (
     "  apirctl chat -p 'Why is the sky blue?'  print only the answer\n\n"
     "  git diff | apirctl chat -p 'Review:'  the piped text follows the prompt\n\n"
     "  apirctl chat --url 127.0.0.1:8080     any OpenAI-compatible server\n\n"
-    "In the session: /clear, /system TEXT, /stats, /help, /exit. Ctrl-C stops the answer."
+    "  apirctl chat --plain                  raw answers, not rendered as Markdown\n\n"
+    'In the session: /clear, /system TEXT, /stats, /help, /exit; \'"""\' or a line ending in \'\\\' '
+    "for a message of several lines. Ctrl-C stops the answer."
 )
 
 
@@ -41,6 +43,12 @@ def chat(
         None, "--timeout", min=0.0, help="Seconds to wait while the server is still loading its model."
     ),
     json_: bool = typer.Option(False, "--json", help="One-shot: print the server's whole JSON response."),
+    markdown: bool = typer.Option(
+        None,
+        "--markdown/--plain",
+        help="Interactive: show each finished answer rendered as Markdown (default on a terminal), or as "
+        "plain text. -p, --json, pipes and files always get the plain text.",
+    ),
 ) -> None:
     """Chat with a served model, streaming the answer as it is generated.
 
@@ -60,7 +68,16 @@ def chat(
     base_url, served_model = _target(url, name, interactive)
     with lib.ChatClient(base_url, model=model or served_model, api_key=api_key, load_timeout=timeout) as client:
         if interactive:
-            session = lib.Session(client, console(), system=system, max_tokens=max_tokens, temperature=temperature)
+            from apirctl.chatview import markdown_wanted
+
+            session = lib.Session(
+                client,
+                console(),
+                system=system,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                markdown=markdown_wanted(markdown, console()),
+            )
             session.banner(f"{client.model or 'the server'} at {client.base_url}")
             session.run()
             return
