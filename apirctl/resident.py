@@ -248,7 +248,7 @@ def _prewarm() -> Callable[[list[str]], int]:
     # What the common commands import inside their functions (httpx loads httpcore and h11 only when a
     # client is made: 80 ms of the first `chat`); not the rare heavy ones (gguf with numpy, matplotlib).
     for module in ("pydantic", "httpx", "httpcore", "h11", "podman", "rich.console", "rich.progress",
-                   "rich.table", "rich.markup", "rich.live", "rich.markdown",
+                   "rich.table", "rich.markup", "rich.live", "rich.markdown", "apirctl.cli.output",
                    "apirctl.config", "apirctl.serve", "apirctl.models", "apirctl.engine", "apirctl.libpod",
                    "apirctl.image", "apirctl.llamacpp", "apirctl.transport", "apirctl.hostloopback",
                    "apirctl.machine", "apirctl.chat", "apirctl.doctor", "apirctl.bench"):

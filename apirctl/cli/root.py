@@ -108,17 +108,20 @@ def run(argv: list[str], command: Any = None) -> int:
 
 
 def prepared_runner() -> Callable[[list[str]], int]:
-    """Build the command tree and each option's converter now, for a process that forks per command."""
+    """Build the command tree, each option's converter and each help option now, for a process that
+    forks per command (typer makes a pydantic adapter per option the first time it converts it)."""
     command = typer.main.get_command(app)
 
-    def warm(cmd: Any) -> None:
-        for param in getattr(cmd, "params", []):
-            builder = getattr(param, "get_runtime_param", None)
-            if builder is not None:
-                with contextlib.suppress(Exception):  # an optimisation: parsing builds it again
+    def warm(cmd: Any, parent: Any = None) -> None:
+        with contextlib.suppress(Exception):  # an optimisation: parsing builds whatever is missing
+            ctx = cmd.context_class(cmd, parent=parent, info_name=cmd.name, **cmd.context_settings)
+            params = [*cmd.params, cmd.get_help_option(ctx)]
+            for param in params:
+                builder = getattr(param, "get_runtime_param", None)
+                if builder is not None:
                     builder()
-        for sub in (getattr(cmd, "commands", None) or {}).values():
-            warm(sub)
+            for sub in (getattr(cmd, "commands", None) or {}).values():
+                warm(sub, ctx)
 
     warm(command)
     return lambda argv: run(argv, command)
