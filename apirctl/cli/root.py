@@ -120,6 +120,8 @@ def prepared_runner() -> Callable[[list[str]], int]:
                 builder = getattr(param, "get_runtime_param", None)
                 if builder is not None:
                     builder()
+            # A parse of no arguments (no callbacks, no errors) runs the parser and each converter once.
+            cmd.make_context(cmd.name, [], parent=parent, resilient_parsing=True)
             for sub in (getattr(cmd, "commands", None) or {}).values():
                 warm(sub, ctx)
 
