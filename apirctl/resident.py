@@ -20,16 +20,17 @@ connection's peer uid is checked (SO_PEERCRED) before anything runs.
 
 from __future__ import annotations
 
-import json
+import _socket  # the C module under `socket`: socket.py and its selectors are 6 ms of the client
+import marshal
 import os
 import signal
-import socket
 import struct
 import sys
 import zlib
 
 TYPE_CHECKING = False  # typing and pathlib cost the client 20 ms of a 60 ms start: not imported at run time
 if TYPE_CHECKING:
+    import socket
     from collections.abc import Callable
     from typing import Any
 
@@ -39,7 +40,7 @@ ENV_SWITCH = "APIRCTL_RESIDENT"  # "0" turns the resident process off
 ENV_DIR = "APIRCTL_RESIDENT_DIR"  # where the socket lives (tests use their own)
 # Signals the client passes on to the command's process (it is not in the terminal's process group).
 FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGWINCH", "SIGUSR1", "SIGUSR2")
-_HEADER = struct.Struct("!I")
+_HEADER = struct.Struct("!I")  # each message: its length, then marshal data (one interpreter on both ends)
 
 
 # --- where -------------------------------------------------------------------------------------
@@ -85,32 +86,61 @@ def run(argv: list[str]) -> int | None:
     Blocks until the command ends and returns its exit status. Signals that reach this process
     (Ctrl-C, `kill`, a terminal resize) are passed on to the command's process.
     """
-    path = socket_path()
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
-    except OSError:
-        conn.close()
+        cwd = os.getcwd()
+    except OSError:  # a deleted working directory: nothing to pass on
         return None
-    with conn:
-        try:
-            os.getcwd()
-        except OSError:  # a deleted working directory: nothing to pass on
-            return None
+    conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        conn.connect(socket_path())
         request = {
             "protocol": PROTOCOL,
             "argv": argv,
             "env": dict(os.environ),
-            "cwd": os.getcwd(),
+            "cwd": cwd,
             "umask": _current_umask(),
             "encoding": [getattr(stream, "encoding", None) or "utf-8" for stream in (sys.stdout, sys.stderr)],
         }
-        payload = json.dumps(request).encode()
-        try:
-            socket.send_fds(conn, [_HEADER.pack(len(payload)) + payload], [0, 1, 2])
-        except OSError:  # a closed stdin or stdout cannot be passed: run here
-            return None
+        fds = struct.pack("3i", 0, 1, 2)
+        conn.sendmsg([_frame(request)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+    except OSError:  # none listening, or a closed stdin/stdout that cannot be passed: run here
+        conn.close()
+        return None
+    try:
         return _await_exit(conn)
+    finally:
+        conn.close()
+
+
+def _frame(message: dict[str, Any]) -> bytes:
+    data = marshal.dumps(message)
+    return _HEADER.pack(len(data)) + data
+
+
+class _Reader:
+    """Messages from a stream socket, one frame at a time."""
+
+    def __init__(self, conn: Any, data: bytes = b"") -> None:
+        self.conn, self.data = conn, data
+
+    def _fill(self, size: int) -> bool:
+        while len(self.data) < size:
+            chunk = self.conn.recv(65536)
+            if not chunk:
+                return False
+            self.data += chunk
+        return True
+
+    def next(self) -> dict[str, Any] | None:
+        """The next message; None at the end of the stream (or a cut one)."""
+        if not self._fill(_HEADER.size):
+            return None
+        (size,) = _HEADER.unpack(self.data[:_HEADER.size])
+        if not self._fill(_HEADER.size + size):
+            return None
+        body, self.data = self.data[_HEADER.size:_HEADER.size + size], self.data[_HEADER.size + size:]
+        message = marshal.loads(body)
+        return message if isinstance(message, dict) else None
 
 
 def _current_umask() -> int:
@@ -119,9 +149,9 @@ def _current_umask() -> int:
     return mask
 
 
-def _await_exit(conn: socket.socket) -> int | None:
+def _await_exit(conn: Any) -> int | None:
     """Read the command's pid, then its exit status; forward signals in between."""
-    reader = conn.makefile("rb")
+    reader = _Reader(conn)
     pid = 0
     pending: list[int] = []
 
@@ -150,17 +180,13 @@ def _await_exit(conn: socket.socket) -> int | None:
     if hasattr(signal, "SIGTSTP"):
         signal.signal(signal.SIGTSTP, suspend)
     while True:
-        try:
-            line = reader.readline()
-        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for safety
-            continue
-        if not line:
+        message = reader.next()
+        if message is None:
             # The connection closed without a status: the command's process was killed.
             if pid == 0:
                 return None
             print("apirctl: the command's process ended without an exit status", file=sys.stderr)
             return 1
-        message = json.loads(line)
         if message.get("stale"):
             return None
         if "pid" in message:
@@ -208,16 +234,16 @@ def stop(path: str | None = None) -> bool:
 
 
 def _ask(path: str, request: dict[str, Any]) -> dict[str, Any] | None:
+    conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-            conn.settimeout(5)
-            conn.connect(path)
-            payload = json.dumps(request).encode()
-            conn.sendall(_HEADER.pack(len(payload)) + payload)
-            line = conn.makefile("rb").readline()
+        conn.settimeout(5)
+        conn.connect(path)
+        conn.sendall(_frame(request))
+        return _Reader(conn).next()
     except OSError:
         return None
-    return dict(json.loads(line)) if line else None
+    finally:
+        conn.close()
 
 
 # --- the resident process ----------------------------------------------------------------------
@@ -275,20 +301,20 @@ def _warm_http() -> None:
 
 
 def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    import socket
+
     data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    if len(data) < _HEADER.size:
-        raise ValueError("short request")
-    (size,) = _HEADER.unpack(data[: _HEADER.size])
-    body = data[_HEADER.size:]
-    while len(body) < size:
-        chunk = conn.recv(size - len(body))
-        if not chunk:
-            raise ValueError("truncated request")
-        body += chunk
-    return json.loads(body), list(fds)
+    message = _Reader(conn, data).next()
+    if message is None:
+        for fd in fds:
+            os.close(fd)
+        raise ValueError("truncated request")
+    return message, list(fds)
 
 
 def _peer_is_us(conn: socket.socket) -> bool:
+    import socket
+
     if not hasattr(socket, "SO_PEERCRED"):  # macOS: the 0700 directory is the guard
         return True
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -298,7 +324,7 @@ def _peer_is_us(conn: socket.socket) -> bool:
 
 def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
     try:  # noqa: SIM105 - the caller may be gone; nothing to do then
-        conn.sendall(json.dumps(message).encode() + b"\n")
+        conn.sendall(_frame(message))
     except OSError:
         pass
 
@@ -323,6 +349,8 @@ def _claim(path: str) -> object | None:
 
 
 def _bind(path: str) -> socket.socket:
+    import socket
+
     if os.path.exists(path):  # left by a process that was killed: the lock says it is gone
         os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
