@@ -31,8 +31,9 @@ import zlib
 TYPE_CHECKING = False  # typing and pathlib cost the client 20 ms of a 60 ms start: not imported at run time
 if TYPE_CHECKING:
     import socket
-    from collections.abc import Callable
     from typing import Any
+
+    from apirctl.cli.root import PreparedApp
 
 PROTOCOL = 1
 IDLE_SECONDS = 15 * 60
@@ -264,7 +265,7 @@ def _fingerprint() -> tuple[Any, ...]:
     return tuple(stamps)
 
 
-def _prewarm() -> Callable[[list[str]], int]:
+def _prewarm() -> PreparedApp:
     """Import everything a command needs and build the command tree once; returns the runner."""
     import contextlib
     import importlib
@@ -280,7 +281,7 @@ def _prewarm() -> Callable[[list[str]], int]:
                    "apirctl.machine", "apirctl.chat", "apirctl.doctor", "apirctl.bench"):
         with contextlib.suppress(ImportError):  # an optional part: a command imports it itself if needed
             importlib.import_module(module)
-    runner = root.prepared_runner()
+    runner = root.PreparedApp()
     _warm_http()
     import gc
 
@@ -382,6 +383,7 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     listener.settimeout(idle)
     served = 0
+    spare: _Spare | None = _Spare(listener, runner)
     try:
         while True:
             try:
@@ -412,12 +414,17 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
                         os.close(fd)
                     continue
                 served += 1
-                child = os.fork()
-                if child == 0:
-                    listener.close()
-                    _child(conn, request, fds, runner)  # never returns
+                if spare is not None and spare.ready():
+                    spare = spare.take(conn, request, fds)  # None once taken: a new one follows below
+                if spare is None or not spare.taken:
+                    child = os.fork()  # no spare ready: fork for this command alone
+                    if child == 0:
+                        listener.close()
+                        _child(conn, request, fds, runner)  # never returns
                 for fd in fds:
                     os.close(fd)
+            if spare is None or spare.taken:  # after `conn` is closed here: a spare must not hold it
+                spare = _Spare(listener, runner)
     finally:
         listener.close()
         try:
@@ -427,7 +434,88 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
             pass
 
 
-def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner: Callable[[list[str]], int]) -> None:
+class _Spare:
+    """A child forked ahead of the next command, with the pages a command writes already copied.
+
+    Why: after a fork, every page a command first writes (Python writes reference counts on every
+    object it touches) is copied then, on the command's time: 2-3 ms for a chat client, as much as
+    the fork itself. The spare forks and exercises the common paths (`_exercise`) while the resident
+    process waits, then waits for a command; the resident process hands it the connection and the
+    caller's descriptors, or forks directly while the spare is not ready yet.
+    """
+
+    def __init__(self, listener: socket.socket, runner: PreparedApp) -> None:
+        import socket
+
+        parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.pid = os.fork()
+        if self.pid == 0:
+            listener.close()
+            parent_end.close()
+            _spare_main(child_end, runner)  # never returns
+        child_end.close()
+        self.sock, self.is_ready, self.taken = parent_end, False, False
+
+    def ready(self) -> bool:
+        """Whether it has said it is ready (never blocks)."""
+        if not self.is_ready:
+            self.sock.setblocking(False)
+            try:
+                self.is_ready = self.sock.recv(1) == b"R"
+            except (BlockingIOError, InterruptedError):
+                pass
+            finally:
+                self.sock.setblocking(True)
+        return self.is_ready
+
+    def take(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> _Spare | None:
+        """Hand it the command; returns itself (taken) or None when it is gone (fork then)."""
+        import socket
+
+        try:
+            socket.send_fds(self.sock, [_frame(request)], [conn.fileno(), *fds])
+        except OSError:
+            self.sock.close()
+            return None
+        self.sock.close()
+        self.taken = True
+        return self
+
+
+def _spare_main(sock: socket.socket, runner: PreparedApp) -> None:
+    """A spare's life: exercise, say ready, wait for a command (or the resident process's end)."""
+    import socket
+
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _exercise(runner)
+        sock.sendall(b"R")
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
+        request = _Reader(sock, data).next()
+    except BaseException:  # noqa: BLE001 - a spare that cannot serve just goes away
+        os._exit(0)
+    if request is None or len(fds) != 4:
+        os._exit(0)  # the resident process ended
+    sock.close()
+    _child(socket.socket(fileno=fds[0]), request, fds[1:], runner)
+
+
+def _exercise(runner: PreparedApp) -> None:
+    """Write, in this fresh fork, the pages the usual commands write: parse every command, run
+    `--version`, make a chat client. Only what does not depend on the caller's environment."""
+    import contextlib
+    import io
+
+    with contextlib.suppress(Exception):
+        runner.exercise()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            runner(["--version"])
+        from apirctl import chat
+
+        chat.ChatClient("http://127.0.0.1:1/v1").close()
+
+
+def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner: PreparedApp) -> None:
     """Become the caller's command: its stdio, environment, directory and arguments; then run it."""
     import contextlib
 

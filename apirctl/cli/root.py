@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import typer
@@ -107,23 +106,29 @@ def run(argv: list[str], command: Any = None) -> int:
     return 0
 
 
-def prepared_runner() -> Callable[[list[str]], int]:
-    """Build the command tree, each option's converter and each help option now, for a process that
-    forks per command (typer makes a pydantic adapter per option the first time it converts it)."""
-    command = typer.main.get_command(app)
+class PreparedApp:
+    """The command tree built once, for a process that forks per command (apirctl.resident): typer
+    makes a pydantic adapter per option the first time it converts it, click a help option per
+    command; `exercise` does that work (and an empty parse of every command) ahead of time."""
 
-    def warm(cmd: Any, parent: Any = None) -> None:
-        with contextlib.suppress(Exception):  # an optimisation: parsing builds whatever is missing
-            ctx = cmd.context_class(cmd, parent=parent, info_name=cmd.name, **cmd.context_settings)
-            params = [*cmd.params, cmd.get_help_option(ctx)]
-            for param in params:
-                builder = getattr(param, "get_runtime_param", None)
-                if builder is not None:
-                    builder()
-            # A parse of no arguments (no callbacks, no errors) runs the parser and each converter once.
-            cmd.make_context(cmd.name, [], parent=parent, resilient_parsing=True)
-            for sub in (getattr(cmd, "commands", None) or {}).values():
-                warm(sub, ctx)
+    def __init__(self) -> None:
+        self.command = typer.main.get_command(app)
+        self.exercise()
 
-    warm(command)
-    return lambda argv: run(argv, command)
+    def exercise(self) -> None:
+        def walk(cmd: Any, parent: Any = None) -> None:
+            with contextlib.suppress(Exception):  # an optimisation: parsing builds whatever is missing
+                ctx = cmd.context_class(cmd, parent=parent, info_name=cmd.name, **cmd.context_settings)
+                for param in [*cmd.params, cmd.get_help_option(ctx)]:
+                    builder = getattr(param, "get_runtime_param", None)
+                    if builder is not None:
+                        builder()
+                # A parse of no arguments (no callbacks, no errors) runs the parser and each converter.
+                cmd.make_context(cmd.name, [], parent=parent, resilient_parsing=True)
+                for sub in (getattr(cmd, "commands", None) or {}).values():
+                    walk(sub, ctx)
+
+        walk(self.command)
+
+    def __call__(self, argv: list[str]) -> int:
+        return run(argv, self.command)

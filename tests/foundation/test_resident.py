@@ -80,25 +80,38 @@ def test_stdin_is_the_callers(running: dict[str, object]) -> None:
     assert empty.stderr != proc.stderr  # the prompt made a difference
 
 
-def test_sigterm_reaches_the_command_and_it_cleans_up(running: dict[str, object]) -> None:
+def test_sigterm_reaches_the_command_and_it_cleans_up(running: dict[str, object], tmp_path: Path) -> None:
     """`kill` of the apirctl process stops the command running in the fork (exit 130), not just the client."""
     pid = int(str(running["pid"]))
     # `chat` with stdin on a pipe reads the whole prompt first: it blocks until the signal.
     proc = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", "http://127.0.0.1:9/v1"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=tmp_path)
+
+    def command_process() -> str | None:
+        """The resident process's child that took the caller's working directory (spares have '/')."""
+        found = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+        for child in found:
+            try:
+                if os.readlink(f"/proc/{child}/cwd") == str(tmp_path):
+                    return child
+            except OSError:
+                continue
+        return None
+
     deadline = time.monotonic() + 30
-    children: list[str] = []
-    while time.monotonic() < deadline and not children:
-        children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    command = None
+    while time.monotonic() < deadline and command is None:
+        command = command_process()
         time.sleep(0.05)
-    assert children, "the command did not run in a fork of the resident process"
+    assert command, "the command did not run in a fork of the resident process"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err  # as without the resident process: typer's status for an interrupt
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{children[0]}"):
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{command}"):
         time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{children[0]}")
+    assert not os.path.exists(f"/proc/{command}")
 
 
 def test_the_entry_point_imports_no_cli_framework() -> None:
