@@ -201,6 +201,10 @@ def summary(results: dict[str, list[float]]) -> dict[str, float]:
         "library_minus_bare_ms": round(med["library"] - med["bare"], 2),
         "cli_minus_bare_ms": round(med["cli"] - med["bare"], 2),
         "cli_minus_start_minus_bare_ms": round(med["cli"] - med["start"] - med["bare"], 2),
+        # The same, run by run (the probes of one run are taken back to back, so they share the
+        # machine's load): steadier than a difference of three medians on a busy machine.
+        "cli_minus_start_minus_bare_paired_ms": round(statistics.median(
+            c - s - b for c, s, b in zip(results["cli"], results["start"], results["bare"], strict=True)) * 1000, 2),
         "chat_imports_ms": round(med["import_chat"] - med["import_cli"], 2),
         "option_parsing_ms": round(med["parse"] - med["import_cli"], 2),
         "cli_minus_parse_minus_bare_ms": round(med["cli"] - med["parse"] - med["bare"], 2),
