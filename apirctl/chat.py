@@ -260,6 +260,10 @@ class ChatClient:
             body["temperature"] = temperature
         return body
 
+    def build_request(self, body: dict[str, Any]) -> httpx.Request:
+        """The chat-completions request for `body` (not sent)."""
+        return self._http.build_request("POST", f"{self.base_url}/chat/completions", json=body)
+
     @contextmanager
     def _open(self, body: dict[str, Any], on_loading: Callable[[float], None] | None) -> Iterator[httpx.Response]:
         """POST the request; while the server answers 503 (loading), retry until `load_timeout`.
@@ -270,7 +274,7 @@ class ChatClient:
         start = time.monotonic()
         tried_model_lookup = False
         while True:
-            request = self._http.build_request("POST", f"{self.base_url}/chat/completions", json=body)
+            request = self.build_request(body)
             try:
                 response = self._http.send(request, stream=True)
             except httpx.HTTPError as exc:

@@ -507,12 +507,22 @@ def _exercise(runner: PreparedApp) -> None:
     import io
 
     with contextlib.suppress(Exception):
-        runner.exercise()
+        runner.exercise(samples=_SAMPLE_COMMANDS)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             runner(["--version"])
         from apirctl import chat
 
-        chat.ChatClient("http://127.0.0.1:1/v1").close()
+        with chat.ChatClient("http://127.0.0.1:1/v1") as client:
+            client.build_request({"messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 1})
+
+
+# Command lines parsed (not run) by a spare, so that its converters have run on real values.
+_SAMPLE_COMMANDS = (
+    ["chat", "--url", "http://127.0.0.1:1/v1", "-p", "hi", "--max-tokens", "1", "--temperature", "0"],
+    ["serve", "model.gguf", "--port", "1234", "--name", "x", "--transport", "none", "--ctx-size", "1024"],
+    ["ps", "--json"],
+    ["stop", "x"],
+)
 
 
 def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner: PreparedApp) -> None:

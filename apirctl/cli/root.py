@@ -115,7 +115,9 @@ class PreparedApp:
         self.command = typer.main.get_command(app)
         self.exercise()
 
-    def exercise(self) -> None:
+    def exercise(self, samples: tuple[list[str], ...] = ()) -> None:
+        """Build what parsing builds lazily; `samples` are command lines parsed too (never run)."""
+
         def walk(cmd: Any, parent: Any = None) -> None:
             with contextlib.suppress(Exception):  # an optimisation: parsing builds whatever is missing
                 ctx = cmd.context_class(cmd, parent=parent, info_name=cmd.name, **cmd.context_settings)
@@ -129,6 +131,11 @@ class PreparedApp:
                     walk(sub, ctx)
 
         walk(self.command)
+        commands = getattr(self.command, "commands", {})
+        for name, *args in samples:  # a top-level command and its arguments
+            with contextlib.suppress(Exception):
+                root = self.command.make_context("apirctl", [], resilient_parsing=True)
+                commands[name].make_context(name, args, parent=root, resilient_parsing=True)
 
     def __call__(self, argv: list[str]) -> int:
         return run(argv, self.command)
