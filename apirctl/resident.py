@@ -382,7 +382,7 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
     signal.signal(signal.SIGCHLD, reap)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     listener.settimeout(idle)
-    served = 0
+    served = from_spare = 0
     spare: _Spare | None = _Spare(listener, runner)
     try:
         while True:
@@ -405,7 +405,8 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
                     return
                 query = request.get("query")
                 if query:
-                    _reply(conn, {"pid": os.getpid(), "idle_seconds": idle, "served": served})
+                    _reply(conn, {"pid": os.getpid(), "idle_seconds": idle, "served": served,
+                                  "from_spare": from_spare})
                     if query == "stop":
                         return
                     continue
@@ -416,6 +417,7 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
                 served += 1
                 if spare is not None and spare.ready():
                     spare = spare.take(conn, request, fds)  # None once taken: a new one follows below
+                    from_spare += spare is not None
                 if spare is None or not spare.taken:
                     child = os.fork()  # no spare ready: fork for this command alone
                     if child == 0:

@@ -15,8 +15,9 @@ What the user waits for, split so the cost of each layer shows:
 - `import_cli`, `import_chat`: `python -c "import apirctl.cli[, apirctl.chat]"`; their difference is
   what importing the chat client (httpx) costs.
 
-All probes run interleaved, `--runs` times each, with the same greedy one-token request, so llama-server's
-prompt cache makes every request equal. Results go to stdout as a table, or JSON with `--json`.
+All probes run interleaved (the order rotates from run to run), `--runs` times each, with the same
+greedy one-token request, so llama-server's prompt cache makes every request equal. Results go to
+stdout as a table, or JSON with `--json`.
 
     python benchmarks/chat_ttft.py --model MODEL.gguf [--runs 30]     (starts llama-server itself)
     python benchmarks/chat_ttft.py --url http://127.0.0.1:1234/v1     (an already running server)
@@ -188,9 +189,12 @@ def measure(url: str, runs: int) -> dict[str, list[float]]:
     for probe in probes.values():  # warm-up: page cache, server prompt cache, imports
         probe()
     results: dict[str, list[float]] = {name: [] for name in probes}
-    for _ in range(runs):
-        for name, probe in probes.items():
-            results[name].append(probe())
+    order = list(probes)
+    for run in range(runs):
+        # Rotate who goes first: a probe right after the heavy import probes finds the CPU caches
+        # cold, one right after a light probe warm; rotating gives each probe the same mix.
+        for name in order[run % len(order):] + order[:run % len(order)]:
+            results[name].append(probes[name]())
     return results
 
 
