@@ -176,7 +176,7 @@ def llama_server(model: Path, threads: int | None) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def measure(url: str, runs: int) -> dict[str, list[float]]:
+def measure(url: str, runs: int, only: list[str] | None = None) -> dict[str, list[float]]:
     probes: dict[str, Callable[[], float]] = {
         "bare": lambda: bare(url),
         "library": lambda: library(url),
@@ -186,6 +186,8 @@ def measure(url: str, runs: int) -> dict[str, list[float]]:
         "import_cli": lambda: python_cost("import apirctl.cli"),
         "import_chat": lambda: python_cost("import apirctl.cli, apirctl.chat"),
     }
+    if only:
+        probes = {name: probe for name, probe in probes.items() if name in only}
     for probe in probes.values():  # warm-up: page cache, server prompt cache, imports
         probe()
     results: dict[str, list[float]] = {name: [] for name in probes}
@@ -200,19 +202,23 @@ def measure(url: str, runs: int) -> dict[str, list[float]]:
 
 def summary(results: dict[str, list[float]]) -> dict[str, float]:
     med = {name: statistics.median(values) * 1000 for name, values in results.items()}
-    return {
-        **{f"{name}_ms": round(value, 2) for name, value in med.items()},
-        "library_minus_bare_ms": round(med["library"] - med["bare"], 2),
-        "cli_minus_bare_ms": round(med["cli"] - med["bare"], 2),
-        "cli_minus_start_minus_bare_ms": round(med["cli"] - med["start"] - med["bare"], 2),
-        # The same, run by run (the probes of one run are taken back to back, so they share the
-        # machine's load): steadier than a difference of three medians on a busy machine.
-        "cli_minus_start_minus_bare_paired_ms": round(statistics.median(
-            c - s - b for c, s, b in zip(results["cli"], results["start"], results["bare"], strict=True)) * 1000, 2),
-        "chat_imports_ms": round(med["import_chat"] - med["import_cli"], 2),
-        "option_parsing_ms": round(med["parse"] - med["import_cli"], 2),
-        "cli_minus_parse_minus_bare_ms": round(med["cli"] - med["parse"] - med["bare"], 2),
-    }
+    out = {f"{name}_ms": round(value, 2) for name, value in med.items()}
+
+    def put(key: str, *names: str, value: Callable[[], float]) -> None:
+        if all(name in med for name in names):
+            out[key] = round(value(), 2)
+
+    put("library_minus_bare_ms", "library", "bare", value=lambda: med["library"] - med["bare"])
+    put("cli_minus_bare_ms", "cli", "bare", value=lambda: med["cli"] - med["bare"])
+    put("cli_minus_start_minus_bare_ms", "cli", "start", "bare", value=lambda: med["cli"] - med["start"] - med["bare"])
+    # The same, run by run (the probes of one run are taken back to back, so they share the
+    # machine's load): steadier than a difference of three medians on a busy machine.
+    put("cli_minus_start_minus_bare_paired_ms", "cli", "start", "bare", value=lambda: statistics.median(
+        c - s - b for c, s, b in zip(results["cli"], results["start"], results["bare"], strict=True)) * 1000)
+    put("chat_imports_ms", "import_chat", "import_cli", value=lambda: med["import_chat"] - med["import_cli"])
+    put("option_parsing_ms", "parse", "import_cli", value=lambda: med["parse"] - med["import_cli"])
+    put("cli_minus_parse_minus_bare_ms", "cli", "parse", "bare", value=lambda: med["cli"] - med["parse"] - med["bare"])
+    return out
 
 
 def main() -> None:
@@ -222,13 +228,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="llama-server threads")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--probes", help="comma-separated subset, e.g. bare,cli,start (default: all)")
     args = parser.parse_args()
     if not args.url and not args.model:
         parser.error("give --url or --model")
     os.environ.setdefault("NO_COLOR", "1")
 
     def run(url: str) -> None:
-        results = measure(url, args.runs)
+        results = measure(url, args.runs, args.probes.split(",") if args.probes else None)
         samples = {name: [round(v * 1000, 3) for v in values] for name, values in results.items()}
         data = {"runs": args.runs, "medians": summary(results), "samples_ms": samples}
         if args.json:
