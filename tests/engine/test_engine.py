@@ -188,21 +188,12 @@ def test_missing_image_is_one_line() -> None:
 
 def _fake_macos_podman(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, running: bool) -> None:
     """The faithful fake of macOS `podman machine` from tests/fakes (see its README) first on PATH."""
-    import json
+    from tests.support import fake_tools
 
-    fakes = Path(__file__).resolve().parent.parent / "fakes"
-    bin_dir = tmp_path / "fake-bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "podman"
-    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(fakes)!r})\n"
-                   "from fake_podman import main\nsys.exit(main(sys.argv[1:]))\n")
-    exe.chmod(0o755)
-    state = tmp_path / "fake-state.json"
+    fake_tools.install(tmp_path / "fake-bin", monkeypatch)
     machine = {"name": "podman-machine-default", "provider": "libkrun", "default": True,
                "state": "running" if running else "stopped", "created": "2026-11-01T10:00:00Z"}
-    state.write_text(json.dumps({"default_provider": "libkrun", "machines": {machine["name"]: machine}}))
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_MACOS_STATE", str(state))
+    fake_tools.machine_state(tmp_path / "fake-state.json", monkeypatch, "libkrun", [machine])
     monkeypatch.setenv("APIRCTL_PLATFORM", "macos")
     monkeypatch.delenv("CONTAINER_HOST", raising=False)
 

@@ -9,11 +9,8 @@ $XDG_RUNTIME_DIR/podman/NAME-api.sock), with a real unix socket at that path ans
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import socket
-import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -25,8 +22,6 @@ from apirctl import engine, hostloopback, transport
 from apirctl.errors import ApirctlError
 from apirctl.hostloopback import HostLoopback
 from apirctl.machine import MachineState, MachineStatus
-
-FAKES = Path(__file__).resolve().parent.parent / "fakes"
 
 
 def _which(*present: str):  # type: ignore[no-untyped-def]
@@ -165,20 +160,14 @@ def test_machine_containers_use_gvproxys_host_address_on_their_default_network()
 @pytest.fixture
 def linux_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """The fake `podman` with a running qemu machine, and its API socket answering `_ping`."""
-    bin_dir = tmp_path / "fake-bin"
-    bin_dir.mkdir()
-    exe = bin_dir / "podman"
-    exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(FAKES)!r})\n"
-                   "from fake_podman import main\nsys.exit(main(sys.argv[1:]))\n")
-    exe.chmod(0o755)
-    state = tmp_path / "fake-state.json"
+    from tests.support import fake_tools
+
+    fake_tools.install(tmp_path / "fake-bin", monkeypatch)
     machine = {"name": "podman-machine-default", "provider": "qemu", "default": True, "state": "running",
                "created": "2026-11-01T10:00:00Z"}
-    state.write_text(json.dumps({"default_provider": "qemu", "machines": {machine["name"]: machine}}))
+    fake_tools.machine_state(tmp_path / "fake-state.json", monkeypatch, "qemu", [machine])
     runtime = Path(tempfile.mkdtemp(prefix="apirctl-xdg-"))  # short: a socket path has 108 bytes at most
     (runtime / "podman").mkdir()
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_MACOS_STATE", str(state))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
     monkeypatch.delenv("CONTAINERS_MACHINE_PROVIDER", raising=False)
     path = runtime / "podman" / "podman-machine-default-api.sock"

@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 
-FAKES = Path(__file__).resolve().parent.parent / "fakes"
 #: A macOS arm64 wheel whose vendored dylibs are real, signed Mach-O files linked by @loader_path.
 WHEEL = ("pillow", "13.0.0")
 #: Three of its dylibs form a chain with lots of header room: demux -> webp -> sharpyuv.
@@ -137,16 +136,11 @@ class FakeMac:
 @pytest.fixture
 def fake_mac(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeMac:
     """Fake `podman`, `codesign` and `lsof` first on PATH, and apirctl told it runs on macOS."""
+    from tests.support import fake_tools
+
     fake = FakeMac(tmp_path / "fake-mac")
-    fake.bin.mkdir(parents=True)
-    for tool in ("podman", "codesign", "lsof"):
-        exe = fake.bin / tool
-        exe.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(FAKES)!r})\n"
-                       f"from fake_{tool} import main\nsys.exit(main(sys.argv[1:]))\n")
-        exe.chmod(0o755)
-    fake.state_file.write_text(json.dumps({"default_provider": "applehv"}))
-    monkeypatch.setenv("PATH", f"{fake.bin}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_MACOS_STATE", str(fake.state_file))
+    fake_tools.install(fake.bin, monkeypatch, ("podman", "codesign", "lsof"))
+    fake_tools.machine_state(fake.state_file, monkeypatch, "applehv")
     monkeypatch.setenv("APIRCTL_PLATFORM", "macos")
     for var in ("CONTAINERS_MACHINE_PROVIDER", "CONTAINERS_HELPER_BINARY_DIR", "DYLD_LIBRARY_PATH"):
         monkeypatch.delenv(var, raising=False)
