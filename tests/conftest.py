@@ -21,17 +21,24 @@ SHARED_HOME = SHARED_CACHE / "home"
 PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def resident_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """The suite's own resident apirctl process (apirctl.resident): the `apirctl` processes the tests
-    start run in it, as a user's do; it is stopped at the end, and never shared with a developer's."""
+    start run in it, as a user's do; it is stopped at the end, and never shared with a developer's.
+    Set for the whole session, so session and module fixtures that run apirctl use it too."""
     directory = tmp_path_factory.mktemp("resident")
     directory.chmod(0o700)
+    saved = os.environ.get("APIRCTL_RESIDENT_DIR")
+    os.environ["APIRCTL_RESIDENT_DIR"] = str(directory)
     yield directory
     from apirctl import resident
 
     for socket_file in directory.glob("*.sock"):
         resident.stop(str(socket_file))
+    if saved is None:
+        os.environ.pop("APIRCTL_RESIDENT_DIR", None)
+    else:
+        os.environ["APIRCTL_RESIDENT_DIR"] = saved
 
 
 @pytest.fixture(autouse=True)
