@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole default path on a fresh Linux machine: system packages, apirctl, `apirctl setup`
 # (llama.cpp from the pinned source, the image, the demo model), then the main job on the demo
-# model: serve it, ask it one question, print a bench table, and stop the server.
+# model: serve it, ask it one question, stop the server, and print a bench table (native, remoting,
+# container).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/system-deps.sh
@@ -14,4 +15,5 @@ apirctl machine restart --remoting || echo "(remoting backend not started: servi
 apirctl serve smollm2 --port "${PORT:-1234}"
 trap 'apirctl stop --all >/dev/null 2>&1 || true' EXIT
 apirctl chat -p "In one sentence, what is a GPU?" --max-tokens 64
+apirctl stop --all  # the RPC backend serves one client at a time: free it for the remoting row
 apirctl bench smollm2 --modes native,remoting,container --reps 2
