@@ -189,6 +189,9 @@ def check_port(host_ip: str, port: int) -> None:
         raise ApirctlError(f"--host-ip {host_ip!r} is not an IP address (default 127.0.0.1)") from None
     family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As a server binds: connections of a server that just stopped (TIME_WAIT, a minute) do not
+        # make the port busy; a listening socket still does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host_ip, port))
         except OSError as exc:

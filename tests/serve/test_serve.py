@@ -232,3 +232,27 @@ def test_every_interface_is_reachable_on_loopback_too(
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
     row = next(s for s in json.loads(apirctl("ps", "--json").stdout) if s["name"] == name)
     assert row["health"] == "ok"
+
+
+def test_the_port_of_a_stopped_server_is_free_at_once(
+    podman: str, llama_image: str, demo_model: Path, name: str, port: int
+) -> None:
+    """A server that just stopped leaves connections in TIME_WAIT on its port for a minute (with
+    slirp4netns' forwarder, every health poll answered before llama-server listened does): they must
+    not make the next serve on that port fail. A listening server still does (see the test above)."""
+    import socket
+
+    with socket.socket() as listener:  # a server side that closes first: its end stays in TIME_WAIT
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            accepted, _ = listener.accept()
+            accepted.close()
+            client.recv(1)
+    with socket.socket() as probe, pytest.raises(OSError):  # the condition: a plain bind fails
+        probe.bind(("127.0.0.1", port))
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
+                   "--ctx-size", "1024", "--json")
+    assert done.returncode == 0, done.stderr
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200
