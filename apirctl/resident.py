@@ -48,7 +48,13 @@ _HEADER = struct.Struct("!I")  # each message: its length, then marshal data (on
 
 
 def enabled(environ: dict[str, str] | os._Environ[str] = os.environ) -> bool:
-    return environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "no", "false", "off")
+    """On unless APIRCTL_RESIDENT=0, and only for a plain interpreter: options such as `-X importtime`,
+    `-W error` or `-O` act at start-up, so a command started with them runs in its own process."""
+    if environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "no", "false", "off"):
+        return False
+    flags = sys.flags
+    return not (sys._xoptions or sys.warnoptions or flags.dev_mode or flags.optimize or flags.inspect
+                or flags.isolated or flags.no_site or flags.ignore_environment)
 
 
 def runtime_dir() -> str:
@@ -68,9 +74,12 @@ def _package_dir() -> str:
 
 def identity() -> str:
     """What a resident process must share with its caller to run its commands: the interpreter,
-    this copy of apirctl and the import path (without its first entry, the script's folder or the
-    working directory, which differ between `apirctl` and `python -m apirctl`)."""
-    return "\0".join([os.path.realpath(sys.executable), _package_dir(), *sys.path[1:]])
+    this copy of apirctl, the import path (without its first entry, the script's folder or the
+    working directory, which differ between `apirctl` and `python -m apirctl`), and the variables
+    the interpreter reads only when it starts (PYTHON*, the locale)."""
+    startup = sorted(f"{k}={v}" for k, v in os.environ.items()
+                     if k.startswith("PYTHON") or k in ("LANG", "LC_ALL", "LC_CTYPE"))
+    return "\0".join([os.path.realpath(sys.executable), _package_dir(), *sys.path[1:], *startup])
 
 
 def socket_path() -> str:

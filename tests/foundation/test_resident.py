@@ -164,3 +164,22 @@ def test_another_user_cannot_run_commands(running: dict[str, object]) -> None:
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 7
     assert served() == before + 1  # only this test's own status query ran
+
+
+def test_interpreter_options_keep_the_command_in_its_own_process(running: dict[str, object]) -> None:
+    """`python -X importtime -m apirctl` must measure this process's imports, not a warm one's."""
+    before = served()
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "apirctl", "--version"], capture_output=True,
+                          text=True, cwd=Path(resident.__file__).parent.parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "import time:" in proc.stderr and "typer" in proc.stderr
+    assert served() == before + 1  # only the status query
+
+
+def test_python_variables_choose_their_own_resident_process(running: dict[str, object]) -> None:
+    """Variables the interpreter reads at start-up (PYTHON*, the locale) are part of what a resident
+    process shares with its callers: another value is another process."""
+    env = {**os.environ, "PYTHONHASHSEED": "123"}
+    other = wait_running(env)
+    assert other["pid"] != running["pid"] and other["socket"] != running["socket"]
+    apirctl("resident", "stop", env=env)
