@@ -14,11 +14,15 @@ from pathlib import Path
 
 import pytest
 
+import apirctl as apirctl_package
 from apirctl import resident
+
+PACKAGE = Path(apirctl_package.__file__).resolve().parent
+CHECKOUT = PACKAGE.parent  # this checkout's apirctl, as `python -m` finds it
 
 
 def apirctl(*args: str, env: dict[str, str] | None = None, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    kwargs.setdefault("cwd", Path(resident.__file__).parent.parent)  # this checkout's apirctl, as `python -m` finds it
+    kwargs.setdefault("cwd", CHECKOUT)
     return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True,
                           env=env or dict(os.environ), timeout=120, **kwargs)  # type: ignore[call-overload]
 
@@ -124,7 +128,7 @@ def test_the_entry_point_imports_no_cli_framework() -> None:
 def test_changed_code_is_never_served_stale(tmp_path: Path) -> None:
     """A copy of apirctl gets its own resident process; editing one of its files retires it."""
     copy = tmp_path / "site"
-    shutil.copytree(Path(resident.__file__).parent, copy / "apirctl",
+    shutil.copytree(PACKAGE, copy / "apirctl",
                     ignore=shutil.ignore_patterns("__pycache__"))
     env = {**os.environ, "PYTHONPATH": str(copy), "APIRCTL_RESIDENT_DIR": str(tmp_path / "run")}
     first = wait_running(env, cwd=tmp_path)
@@ -170,7 +174,7 @@ def test_interpreter_options_keep_the_command_in_its_own_process(running: dict[s
     """`python -X importtime -m apirctl` must measure this process's imports, not a warm one's."""
     before = served()
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "apirctl", "--version"], capture_output=True,
-                          text=True, cwd=Path(resident.__file__).parent.parent, timeout=120)
+                          text=True, cwd=CHECKOUT, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "import time:" in proc.stderr and "typer" in proc.stderr
     assert served() == before + 1  # only the status query

@@ -1,0 +1,155 @@
+"""The caller's side: hand a command to the resident process and wait for its status (run), start
+one (spawn), ask about one (status, stop). Standard library only, and its cheapest parts: this is
+what every `apirctl` command imports before anything else."""
+
+from __future__ import annotations
+
+import _socket  # the C module under `socket`: socket.py and its selectors are 6 ms of the client
+import os
+import signal
+import struct
+import sys
+
+from apirctl.resident import PROTOCOL, Reader, frame, runtime_dir, socket_path
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# Signals the client passes on to the command's process (it is not in the terminal's process group).
+FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGWINCH", "SIGUSR1", "SIGUSR2")
+
+
+def run(argv: list[str]) -> int | None:
+    """Run `apirctl argv` in the resident process; None when none answers (run it here then).
+
+    Blocks until the command ends and returns its exit status. Signals that reach this process
+    (Ctrl-C, `kill`, a terminal resize) are passed on to the command's process.
+    """
+    try:
+        cwd = os.getcwd()
+    except OSError:  # a deleted working directory: nothing to pass on
+        return None
+    conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        conn.connect(socket_path())
+        request = {
+            "protocol": PROTOCOL,
+            "argv": argv,
+            "env": dict(os.environ),
+            "cwd": cwd,
+            "umask": _current_umask(),
+            "encoding": [getattr(stream, "encoding", None) or "utf-8" for stream in (sys.stdout, sys.stderr)],
+        }
+        fds = struct.pack("3i", 0, 1, 2)
+        conn.sendmsg([frame(request)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+    except OSError:  # none listening, or a closed stdin/stdout that cannot be passed: run here
+        conn.close()
+        return None
+    try:
+        return _await_exit(conn)
+    finally:
+        conn.close()
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
+
+
+def _await_exit(conn: Any) -> int | None:
+    """Read the command's pid, then its exit status; forward signals in between."""
+    reader = Reader(conn)
+    pid = 0
+    pending: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if pid:
+            try:  # noqa: SIM105 - contextlib is 5 ms of the client's start
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+        else:
+            pending.append(signum)
+
+    def suspend(signum: int, _frame: object) -> None:
+        """Ctrl-Z: stop the command too, and resume it with this process."""
+        if pid:
+            os.kill(pid, signal.SIGSTOP)
+        signal.signal(signal.SIGTSTP, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTSTP)
+        signal.signal(signal.SIGTSTP, suspend)  # running again (`fg`)
+        if pid:
+            os.kill(pid, signal.SIGCONT)
+
+    for name in FORWARDED:
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), forward)
+    if hasattr(signal, "SIGTSTP"):
+        signal.signal(signal.SIGTSTP, suspend)
+    while True:
+        message = reader.next()
+        if message is None:
+            # The connection closed without a status: the command's process was killed.
+            if pid == 0:
+                return None
+            print("apirctl: the command's process ended without an exit status", file=sys.stderr)
+            return 1
+        if message.get("stale"):
+            return None
+        if "pid" in message:
+            pid = int(message["pid"])
+            for signum in pending:
+                forward(signum, None)
+            pending.clear()
+        if "exit" in message:
+            return int(message["exit"])
+
+
+def spawn() -> None:
+    """Start a resident process in the background (no-op if one is starting or running)."""
+    import subprocess
+
+    directory = runtime_dir()
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if os.stat(directory).st_uid != os.getuid():
+            return  # someone else's directory: never serve from it
+        log = open(socket_path().removesuffix(".sock") + ".log", "ab")  # noqa: SIM115 - closed below
+    except OSError:
+        return
+    with log:
+        # The caller's import path, whole: the resident process must import the very modules the
+        # caller would (`python -m apirctl` puts the working directory first).
+        boot = f"import sys; sys.path[:] = {sys.path!r}; from apirctl.resident.server import main; main()"
+        subprocess.Popen(
+            [sys.executable, "-c", boot, socket_path()],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True,
+            cwd="/",
+        )
+
+
+def status() -> dict[str, Any]:
+    """Whether a resident process serves this apirctl, with its pid and socket."""
+    path = socket_path()
+    answer = _ask(path, {"protocol": PROTOCOL, "query": "status"})
+    return {"running": answer is not None, "socket": path, **(answer or {})}
+
+
+def stop(path: str | None = None) -> bool:
+    """Ask the resident process (of this apirctl, or the one at `path`) to exit; True if one was running."""
+    return _ask(path or socket_path(), {"protocol": PROTOCOL, "query": "stop"}) is not None
+
+
+def _ask(path: str, request: dict[str, Any]) -> dict[str, Any] | None:
+    conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+    try:
+        conn.settimeout(5)
+        conn.connect(path)
+        conn.sendall(frame(request))
+        return Reader(conn).next()
+    except OSError:
+        return None
+    finally:
+        conn.close()
