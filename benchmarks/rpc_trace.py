@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apirctl.machine.rpc_client import ANSWERED, Command  # noqa: E402
+from apirctl.remoting.rpc_client import ANSWERED, Command
 
 
 class Stats:

@@ -60,7 +60,7 @@ def time_apirctl(model: Path, env: dict[str, str], tree: Path | None = None) -> 
 
 
 def time_podman_run(model: Path, image: str, env: dict[str, str]) -> float:
-    from apirctl import engine
+    from apirctl.podman import engine
 
     name, port = f"bench-podman-{uuid.uuid4().hex[:6]}", free_port()
     cmd = engine.podman_cli(
@@ -97,9 +97,11 @@ def main() -> None:
                         help="also time apirctl serve without the resident process (APIRCTL_RESIDENT=0)")
     args = parser.parse_args()
 
-    from apirctl import engine, image, llamacpp, models
+    from apirctl import models
+    from apirctl.build import image, llamacpp
+    from apirctl.podman import engine
 
-    model = (args.model or models.resolve("smollm2", pull=True, quiet=True).path).resolve()
+    model = (args.model or models.resolve("smollm2", pull=True).path).resolve()
     build = llamacpp.container_build()
     if build is None:
         raise SystemExit("no container build: run `apirctl setup` first")

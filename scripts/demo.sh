@@ -15,5 +15,6 @@ apirctl machine restart --remoting || echo "(remoting backend not started: servi
 apirctl serve smollm2 --port "${PORT:-1234}"
 trap 'apirctl stop --all >/dev/null 2>&1 || true' EXIT
 apirctl chat -p "In one sentence, what is a GPU?" --max-tokens 64
-apirctl stop --all  # the RPC backend serves one client at a time: free it for the remoting row
+apirctl ps
+apirctl stop --all  # free the CPU for the bench (remoting would run beside it: a backend of its own)
 apirctl bench smollm2 --modes native,remoting,container --reps 2

@@ -6,5 +6,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/system-deps.sh
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q -e '.[test,plot]'
+.venv/bin/pip install -q -e '.[test,plot,dev]'  # dev: tests/test_quality.py runs ruff and mypy
 exec .venv/bin/pytest -q "$@"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED_CACHE = Path(os.environ.get("APIRCTL_TEST_CACHE", REPO / ".test-cache")).resolve()
 SHARED_HOME = SHARED_CACHE / "home"
 # Variables a developer may set to reuse things made elsewhere; all other APIRCTL_* are cleared.
-PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD")
+PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD", "APIRCTL_VULKAN_BUILD")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,7 +44,9 @@ def resident_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(autouse=True)
-def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resident_dir: Path) -> Path:
+def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resident_dir: Path) -> Iterator[Path]:
+    """A home of the test's own; its runtime directory (sockets) is a short temporary folder, as a
+    socket path must stay under 108 bytes. RPC backends the test left running are stopped."""
     home = tmp_path / "apirctl-home"
     monkeypatch.setenv("APIRCTL_HOME", str(home))
     monkeypatch.setenv("APIRCTL_CACHE_DIR", str(SHARED_CACHE))
@@ -50,7 +54,27 @@ def isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resident_dir:
         if name.startswith("APIRCTL_") and name not in PASSTHROUGH:
             monkeypatch.delenv(name)
     monkeypatch.setenv("APIRCTL_RESIDENT_DIR", str(resident_dir))
-    return home
+    runtime = Path(tempfile.mkdtemp(prefix="apirctl-run-"))
+    monkeypatch.setenv("APIRCTL_RUNTIME_DIR", str(runtime))
+    yield home
+    from apirctl.remoting import backends, rpc_server
+
+    for instance in backends.instances():
+        backends.stop(instance)
+    record = rpc_server.read_record()
+    if record is not None:
+        backends.terminate(record.pid)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _stop_own_service(isolated_home: Path) -> Iterator[None]:
+    """A test may start apirctl's own podman service in its home; stop it afterwards (only that one:
+    session fixtures keep theirs in the shared home)."""
+    yield
+    from apirctl.podman import engine
+
+    engine.stop_service()
 
 
 @contextlib.contextmanager
@@ -72,7 +96,7 @@ def shared_env() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def llama_build():  # type: ignore[no-untyped-def]
     """The host llama.cpp build (built from the pinned source on first use; minutes on 2 cores)."""
-    from apirctl import llamacpp
+    from apirctl.build import llamacpp
 
     with shared_env():
         existing = llamacpp.current_build()
@@ -83,7 +107,7 @@ def llama_build():  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def container_build(llama_build):  # type: ignore[no-untyped-def]
-    from apirctl import llamacpp, provision
+    from apirctl.build import llamacpp, provision
 
     with shared_env():
         found = llamacpp.container_build()
@@ -96,13 +120,13 @@ def demo_model() -> Path:
     from apirctl import models
 
     with shared_env():
-        return models.resolve("smollm2", pull=True, quiet=True).path
+        return models.resolve("smollm2", pull=True).path
 
 
 @pytest.fixture(scope="session")
 def llama_image(container_build) -> str:  # type: ignore[no-untyped-def]
     """The local inference image, built with podman from the container build."""
-    from apirctl import image
+    from apirctl.build import image
 
     with shared_env():
         return image.ensure(container_build)
@@ -111,14 +135,18 @@ def llama_image(container_build) -> str:  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def podman_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One Podman API for the session, found or started by apirctl's engine in a home of its own."""
-    from apirctl import engine
+    from apirctl.podman import engine
 
     saved = os.environ.get("APIRCTL_HOME")
     os.environ["APIRCTL_HOME"] = str(tmp_path_factory.mktemp("podman-home"))
+    # apirctl's own service exits after some idle minutes; a long stretch of tests that need no
+    # Podman outlasts that, so the session's service never idles out (it is stopped at the end)
+    idle, engine.SERVICE_IDLE_SECONDS = engine.SERVICE_IDLE_SECONDS, 0
     try:
         yield engine.discover().url
         engine.stop_service()
     finally:
+        engine.SERVICE_IDLE_SECONDS = idle
         if saved is None:
             os.environ.pop("APIRCTL_HOME", None)
         else:

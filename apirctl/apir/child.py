@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from apirctl.apir.host import Host
+
 _LEN = struct.Struct("<I")
 
 
@@ -62,8 +64,6 @@ def _rss_kb() -> int:
 
 
 def serve(inp: BinaryIO, out: BinaryIO) -> None:
-    from apirctl.apir.host import Host
-
     host: Host | None = None
     while (frame := read_frame(inp)) is not None:
         req, payload = frame

@@ -8,10 +8,12 @@ terms `B @ A.T` on row-major arrays A (M x K) and B (N x K).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL_MAT, Graph, Tensor
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _align(n: int, a: int) -> int:
@@ -48,6 +50,8 @@ class MatmulAddCase:
             t.offset = offset
             offset = _align(offset + t.nbytes, self.align)
         self.buffer_size = offset
+        import numpy as np  # 0.1-0.2 s of import: only when a selftest runs, not for every command
+
         rng = np.random.default_rng()  # fresh inputs every run
         self.a_data = rng.standard_normal((m, k), dtype=np.float32)
         self.b_data = rng.standard_normal((n, k), dtype=np.float32)
@@ -72,9 +76,13 @@ class MatmulAddCase:
         return [(self.a, self.a_data), (self.b, self.b_data), (self.c, self.c_data)]
 
     def expected(self) -> np.ndarray:
+        import numpy as np
+
         return (self.b_data.astype(np.float64) @ self.a_data.astype(np.float64).T) + self.c_data
 
     def relative_error(self, out: bytes) -> float:
+        import numpy as np
+
         got = np.frombuffer(out, dtype=np.float32).reshape(self.n, self.m).astype(np.float64)
         ref = self.expected()
         return float(np.max(np.abs(got - ref)) / max(float(np.max(np.abs(ref))), 1e-30))

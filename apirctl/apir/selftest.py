@@ -11,7 +11,6 @@ the library ends the run with the call that caused it; apirctl itself survives.
 from __future__ import annotations
 
 import statistics
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
@@ -82,43 +81,7 @@ def latency(call: str, times_ns: list[int]) -> Latency:
                    min_us=round(us[0], 3), max_us=round(us[-1], 3))
 
 
-def default_libraries() -> tuple[Path, Path, str]:
-    """The backend library, GGML library and registration symbol to test by default.
-
-    On macOS the active API-remoting bundle's (what krunkit will load), else the host build's.
-    """
-    if sys.platform == "darwin":
-        from apirctl import bundle
-
-        active = bundle.active()
-        if active is not None:
-            return active.backend_path, active.ggml_path, active.ggml_reg
-    from apirctl import llamacpp
-
-    build = llamacpp.require_build()
-    stem = {"cuda": "ggml-cuda", "metal": "ggml-metal"}.get(build.backend, "ggml-cpu")
-    reg = {"cuda": "ggml_backend_cuda_reg", "metal": "ggml_backend_metal_reg"}.get(
-        build.backend, "ggml_backend_cpu_reg")
-    return build.library("ggml-virtgpu-backend"), build.library(stem), reg
-
-
-def resolve(library: Path | None, ggml_library: Path | None, reg: str | None) -> tuple[Path, Path, str]:
-    """Fill what the caller left out from the host build; check that the files exist."""
-    from apirctl.errors import ApirctlError
-
-    if library is None or ggml_library is None or reg is None:
-        d_lib, d_ggml, d_reg = default_libraries()
-        library = library or d_lib
-        ggml_library = ggml_library or d_ggml
-        reg = reg or d_reg
-    for what, path in (("backend library", library), ("GGML library", ggml_library)):
-        if not path.is_file():
-            raise ApirctlError(f"{what} {path} does not exist",
-                               hint="pass --library/--ggml-library, or run `apirctl setup`")
-    return library.resolve(), ggml_library.resolve(), reg
-
-
-def run(library: Path | None = None, ggml_library: Path | None = None, reg: str | None = None,
+def run(library: Path, ggml_library: Path, reg: str,
         cheap_calls: int = 1000, graph_calls: int = 100, size: tuple[int, int, int] = (64, 32, 16),
         tolerance: float | None = None, free_shared: bool = False, call_timeout: float = 120.0,
         progress: Progress | None = None) -> SelftestReport:
@@ -128,8 +91,9 @@ def run(library: Path | None = None, ggml_library: Path | None = None, reg: str 
     library when the GGML backend's host-pointer buffers have no free function (CPU does not):
     off by default so that the selftest checks what works; on to reproduce the bug. A call that
     takes longer than `call_timeout` seconds counts as a hang: the child is killed and reported.
+    The libraries are the caller's choice (`apirctl.macos.bundle.backend_libraries` picks the
+    default): the protocol package knows nothing of bundles or builds.
     """
-    library, ggml_library, reg = resolve(library, ggml_library, reg)
     report = SelftestReport(ok=False, library=str(library), ggml_library=str(ggml_library), reg=reg)
     say = progress or (lambda _msg: None)
     with BackendProcess(timeout=call_timeout) as proc:

@@ -81,14 +81,6 @@ class Encoder:
     handle = u64
     array_size = u64
 
-    def u32_array(self, values: list[int]) -> None:
-        for v in values:
-            self.u32(v)
-
-    def i32_array(self, values: list[int]) -> None:
-        for v in values:
-            self.i32(v)
-
     def u64_array(self, values: list[int]) -> None:
         for v in values:
             self.u64(v)
@@ -178,12 +170,6 @@ class Decoder:
             self.fail(f"array size {n} where {expected} was expected")
             return 0
         return n
-
-    def u32_array(self, count: int) -> list[int]:
-        return [self.u32() for _ in range(count)] if self._room(count * 4, "uint32 array") else []
-
-    def i32_array(self, count: int) -> list[int]:
-        return [self.i32() for _ in range(count)] if self._room(count * 4, "int32 array") else []
 
     def u64_array(self, count: int) -> list[int]:
         return [self.u64() for _ in range(count)] if self._room(count * 8, "uint64 array") else []

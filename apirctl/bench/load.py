@@ -21,7 +21,9 @@ from typing import Any
 
 import httpx
 
-from apirctl.bench.results import LevelResult, Run
+from apirctl import serve
+from apirctl.bench import system
+from apirctl.bench.results import LevelResult, Run, new_id, now_iso
 from apirctl.errors import ApirctlError
 
 #: Called with (concurrency, finished requests, requests) as requests finish.
@@ -269,8 +271,6 @@ def run(url: str, params: LoadParams, on_progress: LoadProgressFn | None = None)
 def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = None,
           label: str | None = None) -> Run:
     """A serving run, ready to print and save, with the same system description as llama-bench runs."""
-    from apirctl.bench import system
-    from apirctl.bench.results import new_id, now_iso
 
     served, levels = run(url, params, on_progress)
     return Run(
@@ -285,6 +285,5 @@ def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = Non
 
 def running_server_url(name: str | None = None) -> str:
     """The API address of an apirctl inference server: the one named, else the only one running."""
-    from apirctl import serve
 
     return serve.find_server(name).url

@@ -2,11 +2,16 @@
 
 - native: the host build's llama-bench on the host's best backend (the reference).
 - remoting: llama-bench in the container, its GGML backend calls going to the host
-  through the active transport (rpc on Linux, virtgpu on macOS). With the host client
+  through the active transport (rpc on Linux, virtgpu on macOS). Where the host backend
+  listens on a Unix socket, the run gets a backend of its own on its own socket (so it runs
+  beside inference servers, and the container has no network at all); its rows say which link
+  ran: rpc-shm (shared memory), rpc-unix, or rpc-tcp (the shared TCP backend, which serves one
+  client at a time, so that mode is skipped while a server uses it). With the host client
   (`client="host"`, or where no container engine is installed) the host build's own
   llama-bench is the client instead, with its local GPUs hidden: the rpc path without
   the container's network, e.g. on a GPU machine that has no podman.
-- container: llama-bench in the same container with no remoting (CPU only).
+- container: llama-bench in a container with no remoting: with GPU passthrough where this host
+  can hand its GPU to a container (`apirctl.gpu`: the comparison a Linux user makes), else CPU only.
 
 A mode that cannot run here (no build, no image, no remoting backend) becomes rows
 with a `skipped_reason` and the others still run; a llama-bench that runs and fails is
@@ -22,10 +27,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from apirctl.bench import MODES
-from apirctl.bench.llamabench import Params, Result, arguments, run_process
+from apirctl import config, gpu, host, models
+from apirctl.bench import MODES, system
+from apirctl.bench.llamabench import Params, ProgressReader, Result, arguments, parse_mixed, run_process
 from apirctl.bench.results import Row, Run, new_id, now_iso
+from apirctl.build import image, llamacpp
 from apirctl.errors import ApirctlError
+from apirctl.podman import containers
+from apirctl.remoting import backends, hostloopback, rpc_server, transport
+from apirctl.remoting.hostloopback import HostLoopback
 
 #: Progress events: (mode, test or "" while starting, repetition (0 = warmup), repetitions).
 EventFn = Callable[[str, str, int, int], None]
@@ -43,6 +53,7 @@ class ModeOutcome:
     skipped: str | None = None
     failed: str | None = None
     client: str | None = None  # where llama-bench ran: "host" or "container"
+    transport: str | None = None  # remoting: what ran (rpc-shm, rpc-unix, rpc-tcp, virtgpu)
 
 
 @dataclass
@@ -91,9 +102,8 @@ class ModelFile:
 
 def model_file(ref: str) -> ModelFile:
     """Resolve a model reference through the model store (which fetches what is missing)."""
-    from apirctl import models
 
-    found = models.resolve(ref, pull=True, quiet=True)
+    found = models.resolve(ref, pull=True)
     label = Path(found.filename).name if found.source == "file" else found.name
     return ModelFile(label=label, path=found.path, filename=found.filename)
 
@@ -102,8 +112,6 @@ def model_file(ref: str) -> ModelFile:
 
 
 def _host_build() -> Any:
-    from apirctl import llamacpp
-
     try:
         build = llamacpp.current_build()
     except ApirctlError as exc:
@@ -124,7 +132,6 @@ def run_native(ctx: Context) -> ModeOutcome:
 
 def _image(ctx: Context) -> str:
     """The inference image (built on first use), or Skipped saying what is missing."""
-    from apirctl import image, llamacpp
 
     try:
         build = llamacpp.container_build() or _host_build()
@@ -137,23 +144,26 @@ def _image(ctx: Context) -> str:
 
 def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[Result]:
     """llama-bench as a one-shot container with the model mounted read-only; no network unless a plan adds it."""
-    from apirctl import engine
-    from apirctl.bench.llamabench import ProgressReader, parse_mixed
 
-    tag = plan.image if plan is not None and plan.image else _image(ctx)
+    if plan is not None and plan.image:
+        tag = plan.image
+    elif plan is not None and plan.image_backend:
+        tag = _gpu_image(ctx, plan.image_backend)
+    else:
+        tag = _image(ctx)
     target = f"/models/{ctx.filename or ctx.model_path.name}"
-    spec = engine.ContainerSpec(
+    spec = containers.ContainerSpec(
         image=tag,
         entrypoint=["llama-bench"],  # on the image's PATH: apirctl's image and the bundles' images alike
         command=arguments(target, ctx.params, output="jsonl"),
-        mounts=[engine.BindMount(source=ctx.model_path.resolve(), target=target, read_only=True)],
+        mounts=[containers.BindMount(source=ctx.model_path.resolve(), target=target, read_only=True)],
         network_mode="none",
         labels={"apirctl.role": "bench", "apirctl.bench.mode": mode},
     )
     if plan is not None:
         spec = plan.apply(spec)
     reader = ProgressReader(ctx.params, ctx.progress(mode))
-    result = engine.run_once(spec, on_line=reader.feed)
+    result = containers.run_once(spec, on_line=reader.feed)
     if result.exit_code != 0:
         raise ApirctlError(f"llama-bench in the container failed (exit {result.exit_code}): "
                            f"{reader.tail_text() or 'no output'}")
@@ -161,13 +171,36 @@ def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[R
 
 
 def run_container(ctx: Context) -> ModeOutcome:
-    results = run_in_container(ctx, "container")
-    return ModeOutcome("container", results, backend=_backend_label(results, "cpu"), client="container")
+    plan = _passthrough_plan(ctx)
+    results = run_in_container(ctx, "container", plan)
+    fallback = (plan.image_backend or "gpu") if plan is not None else "cpu"
+    return ModeOutcome("container", results, backend=_backend_label(results, fallback), client="container")
+
+
+def _passthrough_plan(ctx: Context) -> Any | None:
+    """The gpu transport's wiring where this host can give a container its GPU, else None (CPU)."""
+    if host.is_macos():
+        return None
+    offer = gpu.facts(hostloopback.containers_elsewhere())[-1]
+    if not isinstance(offer, gpu.Passthrough):
+        ctx.facts["container_note"] = f"CPU only: no GPU passthrough ({offer.reason})"
+        return None
+    ctx.facts["container_note"] = f"GPU passthrough: {offer.what}"
+    plan = transport.gpu_plan(offer, ctx.params.ngl)
+    return plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
+
+
+def _gpu_image(ctx: Context, backend: str) -> str:
+    """The passthrough image of a GPU backend (built on first use)."""
+    build = gpu.gpu_builds().get(backend)
+    if build is None:
+        raise Skipped(f"no llama.cpp build with the {backend} backend for the passthrough image")
+    tag = image.ensure(build)
+    ctx.facts["image"] = tag
+    return tag
 
 
 def run_remoting(ctx: Context) -> ModeOutcome:
-    from apirctl import config, transport
-
     settings = config.settings()
     requested = settings.transport
     if requested == "none":
@@ -178,11 +211,12 @@ def run_remoting(ctx: Context) -> ModeOutcome:
         ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
     door = None
     if client == "host":  # it dials the backend's 127.0.0.1 itself: no container network door is needed
-        from apirctl.hostloopback import HostLoopback
 
         door = HostLoopback(mode="slirp4netns", why="unused: the host client dials 127.0.0.1")
-    try:
-        plan = transport.plan(requested, ngl=ctx.params.ngl, rpc_port=settings.rpc_port, loopback=door)
+    no_passthrough = gpu.Blocked(reason="the remoting mode measures remoting (the container mode is passthrough)")
+    try:  # `auto` or `gpu` here means this platform's remoting: passthrough is the container mode's
+        plan = transport.plan("auto" if requested == "gpu" else requested, ngl=ctx.params.ngl,
+                              rpc_port=settings.rpc_port, loopback=door, offer=no_passthrough)
     except ApirctlError as exc:
         raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
     if not plan.remoting:
@@ -191,23 +225,40 @@ def run_remoting(ctx: Context) -> ModeOutcome:
         step = (status.next_step if status else None) or "start one with `apirctl machine restart --remoting`"
         raise Skipped(f"remoting is not ready: {why} ({step})")
     status = transport.machine_status()
-    if status is not None and status.state == 1:  # MachineState.SERVING
+    if plan.rpc_link == "tcp" and status is not None and status.state == 1:  # MachineState.SERVING
         users = status.details.get("serving") or "an inference server"
-        raise Skipped(f"the remoting backend serves one client at a time and is in use by {users} "
-                      f"(stop it with `apirctl stop` to bench remoting)")
+        raise Skipped(f"the TCP remoting backend serves one client at a time and is in use by {users} "
+                      f"(stop it with `apirctl stop`, or listen on a Unix socket: "
+                      f"`apirctl machine restart --remoting --listen unix`)")
     ctx.facts["transport"] = plan.transport
-    if client == "host":
-        if plan.transport != "rpc":
-            raise Skipped(f"the host client reaches the backend over rpc only, not {plan.transport} "
-                          f"(use --client container)")
-        details = status.details if status is not None else {}
-        results = run_host_client(ctx, str(details.get("host") or "127.0.0.1"),
-                                  int(details.get("port") or settings.rpc_port))
-    else:
-        # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
-        plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
-        results = run_in_container(ctx, "remoting", plan)
-    return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport), client=client)
+    if client == "host" and plan.transport != "rpc":
+        raise Skipped(f"the host client reaches the backend over rpc only, not {plan.transport} "
+                      f"(use --client container)")
+    instance = rpc_server.start_own_backend(f"bench-{new_id()}") if plan.needs_backend else None
+    try:
+        if client == "host":
+            if instance is not None:
+                endpoint = instance.endpoint
+            else:
+                details = status.details if status is not None else {}
+                endpoint = client_endpoint(str(details.get("host") or "127.0.0.1"),
+                                           int(details.get("port") or settings.rpc_port))
+            results = run_host_client(ctx, endpoint)
+        else:
+            if instance is not None:
+                plan = transport.with_backend(plan, instance)
+            # llama-bench runs one test per value of a repeated flag: keep our own -ngl only.
+            plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
+            results = run_in_container(ctx, "remoting", plan)
+        link: str = plan.rpc_link
+        if instance is not None:
+            link = backends.confirm_link(instance, release=False).link
+    finally:
+        if instance is not None:
+            backends.stop(instance)
+    ran = f"{plan.transport}-{link}" if link else plan.transport
+    return ModeOutcome("remoting", results, backend=_backend_label(results, plan.transport), client=client,
+                       transport=ran)
 
 
 #: Hide the host client's own GPUs, so that every offloaded layer goes to the remoting backend.
@@ -221,11 +272,12 @@ def client_endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_host_client(ctx: Context, host: str, port: int) -> list[Result]:
-    """The host build's llama-bench as the rpc client (one -ngl: ours; one --rpc: the backend)."""
+def run_host_client(ctx: Context, endpoint: str) -> list[Result]:
+    """The host build's llama-bench as the rpc client (one -ngl: ours; one --rpc: the backend's
+    `HOST:PORT` or `unix:PATH`)."""
     build = _host_build()
     ctx.facts.setdefault("llama_cpp", build.source_version)
-    extra = ["--rpc", client_endpoint(host, port)]
+    extra = ["--rpc", endpoint]
     argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params, extra=extra)]
     return run_process(argv, ctx.params, ctx.progress("remoting"), env=dict(os.environ) | _NO_LOCAL_GPU)
 
@@ -271,13 +323,14 @@ def rows_from(outcomes: list[ModeOutcome], params: Params) -> list[Row]:
         if not outcome.results:
             reason = outcome.skipped or (f"failed: {outcome.failed}" if outcome.failed else "no results")
             rows += [Row(mode=outcome.mode, backend=outcome.backend, client=outcome.client, test=test,
-                         skipped_reason=reason)
+                         transport=outcome.transport, skipped_reason=reason)
                      for test in params.tests()]
             continue
         for r in outcome.results:
             base = native_tps.get(r.test)
             rows.append(Row(
-                mode=outcome.mode, backend=outcome.backend, client=outcome.client, test=r.test, tps_mean=r.tps_mean,
+                mode=outcome.mode, backend=outcome.backend, client=outcome.client, transport=outcome.transport,
+                test=r.test, tps_mean=r.tps_mean,
                 tps_std=r.tps_std, ratio_to_native=(r.tps_mean / base) if base else None,
                 samples_ts=r.samples_ts, n_gpu_layers=r.n_gpu_layers, n_threads=r.n_threads,
             ))
@@ -302,7 +355,6 @@ def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
     `client` picks where the remoting mode's llama-bench runs: "container" (the real path; the
     host when no container engine is installed) or "host" (the rpc path without a container).
     """
-    from apirctl.bench import system
 
     params.validate()
     if client not in CLIENTS:
@@ -328,6 +380,8 @@ def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
                           image=ctx.facts.get("image"), llama_cpp=ctx.facts.get("llama_cpp"))
     if ctx.facts.get("client_note"):
         info.extra["remoting_client"] = ctx.facts["client_note"]
+    if ctx.facts.get("container_note"):
+        info.extra["container"] = ctx.facts["container_note"]
     bench_run = Run(
         id=new_id(), created=now_iso(), kind="llama-bench", model=model_ref, model_file=str(model_path),
         params={"pp": params.pp, "tg": params.tg, "reps": params.reps, "ngl": params.ngl,

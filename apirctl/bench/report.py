@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from rich.console import RenderableType
 
 FORMATS = ("table", "json", "csv", "md")
-ROW_FIELDS = ("mode", "backend", "client", "test", "tps_mean", "tps_std", "ratio_to_native", "skipped_reason")
+ROW_FIELDS = ("mode", "backend", "client", "transport", "test", "tps_mean", "tps_std", "ratio_to_native",
+              "skipped_reason")
 LEVEL_FIELDS = ("concurrency", "requests", "completed", "errors", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms",
                 "itl_p95_ms", "output_tps_per_request", "output_tps_total", "request_throughput", "error_sample")
 _BAR = "█"
@@ -119,17 +120,19 @@ def table(run: Run) -> RenderableType:
     if run.kind == "serving":
         return serving_table(run.levels, title=f"serving load: {run.model}")
     t = Table(title=f"llama-bench: {run.model}", title_justify="left")
-    for name, justify in (("mode", "left"), ("backend", "left"), ("client", "left"), ("test", "left"),
+    for name, justify in (("mode", "left"), ("backend", "left"), ("client", "left"), ("transport", "left"),
+                          ("test", "left"),
                           ("t/s", "right"), ("± std", "right"), ("vs native", "right")):
         t.add_column(name, justify=justify)  # type: ignore[arg-type]
     for r in run.rows:
         if r.tps_mean is None:
             failed = (r.skipped_reason or "").startswith("failed")
-            t.add_row(r.mode, r.backend or "", r.client or "", r.test,
+            t.add_row(r.mode, r.backend or "", r.client or "", r.transport or "", r.test,
                       Text("failed", style="red") if failed else Text("skipped", style="yellow"), "", "")
             continue
         ratio = f"{r.ratio_to_native:.2f}x" if r.ratio_to_native is not None else ""
-        t.add_row(r.mode, r.backend or "", r.client or "", r.test, f"{r.tps_mean:.2f}", _fmt(r.tps_std), ratio)
+        t.add_row(r.mode, r.backend or "", r.client or "", r.transport or "", r.test, f"{r.tps_mean:.2f}",
+                  _fmt(r.tps_std), ratio)
     bar_text = Text("\n".join(bars(run.rows)))
     return Columns([t, bar_text], padding=(1, 4))
 

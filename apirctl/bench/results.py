@@ -24,6 +24,7 @@ class Row(BaseModel):
     mode: str
     backend: str | None = None
     client: str | None = None  # where llama-bench ran: "host" or "container" (remoting has either)
+    transport: str | None = None  # remoting: what ran (rpc-shm, rpc-unix, rpc-tcp, virtgpu)
     test: str
     tps_mean: float | None = None
     tps_std: float | None = None

@@ -10,8 +10,9 @@ from __future__ import annotations
 import platform
 from typing import Any
 
-from apirctl import __version__, sysinfo
+from apirctl import __version__
 from apirctl.bench.results import SystemInfo
+from apirctl.diagnose import sysinfo
 
 
 def _quiet(fn: Any) -> Any:

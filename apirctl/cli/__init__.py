@@ -26,7 +26,7 @@ def main() -> None:
     from apirctl import resident
 
     argv = sys.argv[1:]
-    use_resident = resident.enabled()
+    use_resident = resident.enabled() and resident.suitable(argv)
     if use_resident:
         code = resident.run(argv)
         if code is not None:

@@ -57,7 +57,7 @@ def check(
     from apirctl.errors import ApirctlError
 
     if source is None:
-        from apirctl import llamacpp
+        from apirctl.build import llamacpp
 
         source = llamacpp.source_dir()
     vdir = source / "ggml" / "src" / "ggml-virtgpu"

@@ -48,7 +48,9 @@ def selftest(
     """Load the backend library in a child process and drive it through the APIR protocol."""
     from apirctl.apir import selftest as st
     from apirctl.cli.output import console, err_console, print_json
+    from apirctl.macos import bundle
 
+    library, ggml_library, reg = bundle.backend_libraries(library, ggml_library, reg)
     if json_out:
         report = st.run(library, ggml_library, reg, cheap_calls=calls, graph_calls=graph_calls, free_shared=free_shared)
         print_json(report.model_dump())
@@ -124,15 +126,15 @@ def probe(
 ) -> None:
     """Send malformed commands to the backend library and record which it rejects and which crash it."""
     from apirctl.apir import probes
-    from apirctl.apir import selftest as st
     from apirctl.cli.output import console, err_console, print_json
     from apirctl.errors import ApirctlError
+    from apirctl.macos import bundle
 
     known = {p.name for p in probes.PROBES}
     unknown = [n for n in only or [] if n not in known]
     if unknown:
         raise ApirctlError(f"unknown probe {', '.join(unknown)}", hint="known: " + ", ".join(sorted(known)))
-    lib, ggml, symbol = st.resolve(library, ggml_library, reg)
+    lib, ggml, symbol = bundle.backend_libraries(library, ggml_library, reg)
     if json_out:
         results = probes.run_all(lib, ggml, symbol, only or None)
         print_json([r.model_dump() for r in results])

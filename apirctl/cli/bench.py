@@ -10,15 +10,15 @@ from typer.core import TyperGroup
 
 HELP = (
     "Benchmark llama.cpp: native, remoting and container without remoting, side by side.\n\n"
-    "[bold]apirctl bench MODEL[/] runs llama-bench (prompt processing `pp`, generation `tg`) in each mode "
+    "apirctl bench MODEL runs llama-bench (prompt processing `pp`, generation `tg`) in each mode "
     "on the same model file and shows tokens/s with the ratio to native:\n\n"
-    "- [bold]native[/]: the host's llama-bench on the host's GPU backend (the reference);\n"
-    "- [bold]remoting[/]: llama-bench in the container, its GPU work done on the host through the active "
+    "- native: the host's llama-bench on the host's GPU backend (the reference);\n"
+    "- remoting: llama-bench in the container, its GPU work done on the host through the active "
     "transport (rpc on Linux, virtgpu on macOS); start it with `apirctl machine restart --remoting`;\n"
-    "- [bold]container[/]: llama-bench in the container without remoting (CPU).\n\n"
+    "- container: llama-bench in the container without remoting (CPU).\n\n"
     "A mode that cannot run here is shown as skipped with the reason. Results are saved: see "
     "`apirctl bench history` and `apirctl bench compare ID ID`.\n\n"
-    "[bold]apirctl bench --url URL[/] (or `--serving` for the running apirctl server) drives an "
+    "apirctl bench --url URL (or `--serving` for the running apirctl server) drives an "
     "OpenAI-compatible endpoint with streamed requests at each `--concurrency` level and reports time to "
     "first token, inter-token latency, tokens/s and errors.\n\n"
     "Examples:\n\n"
@@ -46,7 +46,7 @@ class _BenchGroup(TyperGroup):
         return super().parse_args(ctx, args)
 
 
-app = typer.Typer(cls=_BenchGroup, help=HELP, rich_markup_mode="rich")
+app = typer.Typer(cls=_BenchGroup, help=HELP, rich_markup_mode=None)
 
 
 @app.callback(invoke_without_command=True)

@@ -18,8 +18,16 @@ EPILOG = (
     "  git diff | apirctl chat -p 'Review:'  the piped text follows the prompt\n\n"
     "  apirctl chat --url 127.0.0.1:8080     any OpenAI-compatible server\n\n"
     "  apirctl chat --plain                  raw answers, not rendered as Markdown\n\n"
-    'In the session: /clear, /system TEXT, /stats, /help, /exit; \'"""\' or a line ending in \'\\\' '
+    "  apirctl chat --image cat.png -p 'What is in the picture?'   a vision model\n\n"
+    "  apirctl chat --temp 0.2 --seed 42     sampling settings for every answer\n\n"
+    "In the session: /clear, /system TEXT, /set temp 0.2, /image FILE, /stats, /help, /exit; "
+    '\'"""\' or a line ending in \'\\\' '
     "for a message of several lines. Ctrl-C stops the answer."
+)
+
+_IMAGE = typer.Option(
+    None, "--image", metavar="FILE",
+    help="Send this image with the (first) message; repeatable. Needs a vision model (served with its projector).",
 )
 
 
@@ -37,10 +45,18 @@ def chat(
         help="Ask once, print only the answer and exit (stdin, if piped, is appended).",
     ),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Stop each answer after N tokens."),
-    temperature: float = typer.Option(None, "--temperature", "-t", min=0.0, help="Sampling temperature."),
+    temperature: float = typer.Option(None, "--temp", "--temperature", "-t", min=0.0, help="Sampling temperature."),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed: the same seed and prompt repeat an answer."),
+    image: list[str] = _IMAGE,
     api_key: str = typer.Option(None, "--api-key", help="Bearer token, for servers started with an API key."),
     timeout: float = typer.Option(
         None, "--timeout", min=0.0, help="Seconds to wait while the server is still loading its model."
+    ),
+    first_byte_timeout: float = typer.Option(
+        300.0, "--first-byte-timeout", min=0.1, help="Seconds to wait for an answer to begin (prompt processing)."
+    ),
+    stall_timeout: float = typer.Option(
+        60.0, "--stall-timeout", min=0.1, help="Seconds a streamed answer may pause before it is an error."
     ),
     json_: bool = typer.Option(False, "--json", help="One-shot: print the server's whole JSON response."),
     markdown: bool = typer.Option(
@@ -58,17 +74,35 @@ def chat(
 
     Otherwise it opens an interactive session with line editing and history kept across sessions.
     """
-    from apirctl import chat as lib
-    from apirctl.cli.output import console, err_console, print_json
     from apirctl.errors import ApirctlError
 
     if url and name:
         raise ApirctlError("--url and --name exclude each other", hint="--name picks one of our servers; --url any")
     interactive = prompt is None and sys.stdin.isatty() and not json_
     base_url, served_model = _target(url, name, interactive)
-    with lib.ChatClient(base_url, model=model or served_model, api_key=api_key, load_timeout=timeout) as client:
+    talk(base_url, model or served_model, system=system, prompt=prompt, max_tokens=max_tokens,
+         temperature=temperature, seed=seed, images=list(image or []), api_key=api_key, timeout=timeout,
+         json_=json_, markdown=markdown, first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout)
+
+
+def talk(base_url: str, model: str | None, *, system: str | None = None, prompt: str | None = None,
+         max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
+         images: list[str] | None = None, api_key: str | None = None, timeout: float | None = None,
+         first_byte_timeout: float = 300.0, stall_timeout: float = 60.0,
+         json_: bool = False, markdown: bool | None = None) -> None:
+    """The chat itself, with a server already chosen (`chat` and `run`)."""
+    from apirctl import chat as lib
+    from apirctl.cli.output import console, err_console, print_json
+    from apirctl.errors import ApirctlError
+
+    interactive = prompt is None and sys.stdin.isatty() and not json_
+    parts = [lib.image_part(path) for path in images or []]  # a bad file fails before anything is sent
+    with lib.ChatClient(base_url, model=model, api_key=api_key, load_timeout=timeout,
+                        first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout) as client:
+        if seed is not None:
+            client.sampling["seed"] = seed
         if interactive:
-            from apirctl.chatview import markdown_wanted
+            from apirctl.chat.view import markdown_wanted
 
             session = lib.Session(
                 client,
@@ -78,11 +112,12 @@ def chat(
                 temperature=temperature,
                 markdown=markdown_wanted(markdown, console()),
             )
+            session.images = parts
             session.banner(f"{client.model or 'the server'} at {client.base_url}")
             session.run()
             return
         question = lib.read_prompt(prompt, sys.stdin)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+        messages = ([{"role": "system", "content": system}] if system else []) + [lib.user_message(question, parts)]
         waiting = _LoadingNotice(err_console)
         if json_:
             try:
@@ -92,13 +127,21 @@ def chat(
             print_json(response)
             return
 
+        written = [""]
+
         def write(piece: str) -> None:
             waiting.stop()
             sys.stdout.write(piece)
             sys.stdout.flush()
+            written[0] = piece or written[0]
 
         try:
             reply = client.stream(messages, write, max_tokens, temperature, on_loading=waiting)
+        except ApirctlError:
+            if written[0] and not written[0].endswith("\n"):  # a cut answer: the error on a line of its own
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            raise
         finally:
             waiting.stop()
         if reply.content and not reply.content.endswith("\n"):
@@ -142,15 +185,9 @@ def _target(url: str | None, name: str | None, interactive: bool) -> tuple[str, 
     """
     if url:
         return url, None
+    from apirctl import serve
     from apirctl.errors import ApirctlError
 
-    try:
-        from apirctl import serve
-    except ImportError:
-        raise ApirctlError(
-            "no --url given and server discovery is not available in this build",
-            hint="pass --url http://127.0.0.1:1234/v1",
-        ) from None
     try:
         server = serve.find_server(name)
     except ApirctlError:
@@ -162,8 +199,21 @@ def _target(url: str | None, name: str | None, interactive: bool) -> tuple[str, 
         if len(running) < 2:
             raise
         server = _choose(running)
-    model = getattr(server, "model", None)
-    return server.url, model if model and model != "?" else None
+    refuse_non_chat(server)
+    return server.url, server.model if server.model != "?" else None
+
+
+def refuse_non_chat(server: Any) -> None:
+    """An embedding or reranking server does not chat: say so, and what it does answer."""
+    from apirctl.errors import ApirctlError
+
+    kind = getattr(server, "kind", "chat")
+    if kind == "embedding":
+        raise ApirctlError(f"{server.name} serves an embedding model ({server.model}): it does not chat",
+                           hint=f"it answers POST {server.url}/embeddings; chat with a chat model")
+    if kind == "reranking":
+        raise ApirctlError(f"{server.name} serves a reranking model ({server.model}): it does not chat",
+                           hint=f"it answers POST {server.url}/rerank; chat with a chat model")
 
 
 def _choose(servers: list[Any]) -> Any:

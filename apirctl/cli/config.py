@@ -44,14 +44,56 @@ def set_(
     from apirctl.cli.output import console
 
     path = config.write_value(key, value)
-    console().print(f"{key} = {config.load().settings.model_dump()[key]!r} in {path}", soft_wrap=True)
+    console().print(f"{key} = {config.load(environ={}).settings.model_dump()[key]!r} in {path}", soft_wrap=True)
 
 
 @app.command()
 def unset(key: str = typer.Argument(..., help="Setting name.")) -> None:
-    """Remove one setting from the config file (its default or APIRCTL_* variable applies again)."""
+    """Remove one setting from the config file (its default or APIRCTL_* variable applies again).
+
+    Also repairs a file that no longer reads when the lines of KEY are what is wrong with it."""
     from apirctl import config
     from apirctl.cli.output import console
 
     path = config.write_value(key, None)
     console().print(f"{key} removed from {path}", soft_wrap=True)
+
+
+@app.command()
+def edit() -> None:
+    """Edit the config file in $VISUAL or $EDITOR (else vi); it is saved only once it is valid.
+
+    A broken file (not UTF-8, invalid TOML, an unknown key or a bad value) opens as it is, so it
+    can be repaired; on a terminal an invalid edit is offered again, elsewhere it is not saved.
+    """
+    import os
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from apirctl import config
+    from apirctl.cli.output import console, err_console
+    from apirctl.errors import ApirctlError
+
+    editor = shlex.split(os.environ.get("VISUAL") or os.environ.get("EDITOR") or "vi")
+
+    def run_editor(path: Path) -> None:
+        try:
+            done = subprocess.run([*editor, str(path)], check=False)
+        except OSError as exc:
+            raise ApirctlError(f"cannot start the editor {editor[0]!r}: {exc.strerror}",
+                               hint="set EDITOR to your editor, e.g. EDITOR=nano") from None
+        if done.returncode != 0:
+            raise ApirctlError(f"the editor {editor[0]!r} exited with status {done.returncode}; nothing was saved")
+
+    def retry(exc: ApirctlError) -> bool:
+        if not sys.stdin.isatty():
+            return False
+        from rich.markup import escape
+
+        err_console().print(f"[bold red]apirctl: error:[/] {escape(exc.message)}", soft_wrap=True)
+        return typer.confirm("edit it again?", default=True)
+
+    path = config.edit(run_editor, retry)
+    console().print(f"saved {path}", soft_wrap=True)

@@ -16,8 +16,8 @@ def doctor(json_out: bool = typer.Option(False, "--json", help="Print the checks
     """
     from rich.markup import escape
 
-    from apirctl import doctor as checks
     from apirctl.cli.output import console, print_json
+    from apirctl.diagnose import doctor as checks
 
     def show(check: checks.Check) -> None:
         if json_out:
@@ -42,15 +42,16 @@ def info(
 
     The remoting machine state is included (the same as `apirctl machine status`).
     """
-    from apirctl import machine, sysinfo
     from apirctl.cli.output import console, print_json
+    from apirctl.diagnose import sysinfo
     from apirctl.errors import ApirctlError
+    from apirctl.remoting import machines
 
     found = sysinfo.collect()
     try:
-        state = machine.platform().status(None)
+        state = machines.current().status(None)
         machine_line = f"{state.summary} (state {int(state.state)})"
-    except (ApirctlError, ImportError, AttributeError) as exc:
+    except ApirctlError as exc:
         machine_line = f"unknown ({exc})"
     if json_out:
         print_json(found.model_dump() | {"machine": machine_line})

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 if TYPE_CHECKING:
-    from apirctl.bundle import Bundle
+    from apirctl.macos.bundle import Bundle
 
 INSTALL_HELP = (
     "Import, build, list or activate API-remoting bundles (macOS).\n\n"
@@ -52,7 +52,7 @@ def install(
     if len(actions) != 1:
         raise ApirctlError("choose one of --from, --build, --list and --activate",
                            hint="see `apirctl install --help`")
-    from apirctl import bundle
+    from apirctl.macos import bundle
 
     if list_:
         rows = bundle.list_bundles()
@@ -112,7 +112,7 @@ def install(
 
 def _import(source: str, sha256: str | None, version: str | None, image: str | None,
             quiet: bool) -> tuple[Bundle, bool]:
-    from apirctl import bundle
+    from apirctl.macos import bundle
 
     if quiet or not source.startswith(("http://", "https://")):
         return bundle.import_from(source, sha256_digest=sha256, version=version, image=image)
@@ -136,8 +136,8 @@ def uninstall(
     json_out: bool = typer.Option(False, "--json", help="Print the removed bundle as JSON."),
 ) -> None:
     """Remove an installed bundle; refuses the one the running machine uses."""
-    from apirctl import bundle
     from apirctl.cli.output import console, print_json
+    from apirctl.macos import bundle
 
     removed = bundle.uninstall(version)
     if json_out:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING
 
 import typer
@@ -12,7 +13,9 @@ if TYPE_CHECKING:
 app = typer.Typer(
     help=(
         "Prepare and inspect the host side of API remoting.\n\n"
-        "On Linux this is llama.cpp's RPC server on the host GPU, bound to loopback and owned by apirctl. "
+        "On Linux this is llama.cpp's RPC server on the host GPU, owned by apirctl: on a Unix socket in "
+        "apirctl's private runtime directory (the default; each local remoting container then gets a backend "
+        "of its own, over shared memory), or on 127.0.0.1 with `--listen tcp` (for SSH tunnels from other hosts). "
         "On macOS it is the libkrun Podman machine, restarted with a krunkit patched to load the "
         "API-remoting virglrenderer, the ggml-virtgpu backend and ggml-metal.\n\n"
         "Exit codes of `machine status`: 0 ready, 1 a remoting server runs, 10 vfkit machine, "
@@ -35,13 +38,18 @@ def _print(status: MachineStatus, json_out: bool) -> None:
 
     good = int(status.state) in (0, 1)
     colour = "green" if good else "yellow"
-    console().print(f"[bold {colour}]{escape(status.summary)}[/]")
+    console().print(f"[bold {colour}]{escape(status.summary)}[/]", soft_wrap=True)
     for key, value in status.details.items():
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            console().print(f"  {key}:")
+            for item in value:
+                console().print(f"    {escape(item)}", soft_wrap=True)
+            continue
         if isinstance(value, (list, dict)):
             continue  # raw structures are for --json
         console().print(f"  {key}: {escape(str(value))}", soft_wrap=True)
     if status.next_step:
-        console().print(f"[dim]next: {escape(status.next_step)}[/]")
+        console().print(f"[dim]next: {escape(status.next_step)}[/]", soft_wrap=True)
 
 
 @app.command()
@@ -50,9 +58,9 @@ def status(
     json_out: bool = typer.Option(False, "--json", help="Print the state as JSON."),
 ) -> None:
     """Report the remoting state precisely; the exit code is the state code."""
-    from apirctl import machine
+    from apirctl.remoting import machines
 
-    result = machine.platform().status(name)
+    result = machines.current().status(name)
     _print(result, json_out)
     raise typer.Exit(int(result.state))
 
@@ -65,11 +73,23 @@ def restart(
     ),
     device: str = typer.Option(None, "--device", help="Linux: GGML device the backend serves (e.g. CUDA0, CPU)."),
     threads: int = typer.Option(None, "--threads", help="Linux: CPU threads of the backend."),
-    port: int = typer.Option(None, "--port", help="Linux: backend port on 127.0.0.1 (config: rpc_port)."),
+    listen: str = typer.Option(
+        None, "--listen", metavar="unix|tcp",
+        help="Linux: where the backend listens: unix (a socket in apirctl's runtime directory; local containers "
+        "get a backend each, over shared memory) or tcp (127.0.0.1, for SSH tunnels). Config: rpc_listen "
+        "(default unix); --port implies tcp.",
+    ),
+    port: int = typer.Option(None, "--port", help="Linux: backend port on 127.0.0.1, with --listen tcp (config: "
+                             "rpc_port)."),
     cache: bool = typer.Option(None, "--cache/--no-cache", help="Linux: let the backend cache weights on disk."),
     krunkit: str = typer.Option(None, "--krunkit", help="macOS: path of the krunkit to patch."),
     selftest: bool = typer.Option(True, "--selftest/--no-selftest",
                                   help="macOS: test the bundle's backend library before restarting."),
+    restart_servers: bool = typer.Option(
+        False, "--restart-servers",
+        help="Linux: then restart the inference servers started against the previous backend (they do not "
+        "reconnect by themselves).",
+    ),
     json_out: bool = typer.Option(False, "--json", help="Print the resulting state as JSON."),
 ) -> None:
     """Restart the machine (macOS) or the host remoting backend (Linux), with or without remoting.
@@ -77,12 +97,43 @@ def restart(
     Without --remoting, Linux stops the backend and leaves plain containers running.
     On failure the previous working state is restored and the exit code is non-zero.
     """
-    from apirctl import machine
+    from apirctl.errors import ApirctlError
+    from apirctl.machine import RestartOptions
+    from apirctl.remoting import machines
 
-    options = machine.RestartOptions(name=name, remoting=remoting, device=device, threads=threads, port=port,
-                                     cache=cache, krunkit=krunkit, selftest=selftest)
-    result = machine.platform().restart(options)
+    if listen is not None and listen not in ("unix", "tcp"):
+        raise ApirctlError(f"--listen {listen!r}: choose unix or tcp")
+    if listen == "unix" and port:
+        raise ApirctlError("--port is for --listen tcp", hint="a Unix socket has no port: drop --port")
+    options = RestartOptions(name=name, remoting=remoting, device=device, threads=threads, port=port, listen=listen,
+                             cache=cache, krunkit=krunkit, selftest=selftest)
+    from apirctl.cli.output import err_console
+
+    with err_console().status("restarting") as shown:
+        result = machines.current().restart(options, progress=shown.update)
+        stale = {s.name: s.state for s in machines.current().stale_servers()}
+        if stale and restart_servers:
+            from apirctl import serve
+
+            failed = []
+            for server in stale:
+                try:
+                    serve.restart(server, progress=shown.update)
+                except ApirctlError as exc:  # the others are still restarted; this one is named below
+                    failed.append(f"{server} ({exc})")
+            result = machines.current().status(name)
+            if failed:
+                _print(result, json_out)
+                raise ApirctlError(f"could not restart {'; '.join(failed)}",
+                                   hint="see `apirctl logs NAME`; or `apirctl stop NAME`, then serve it again")
     _print(result, json_out)
+    if stale and not restart_servers and not json_out:
+        for server, state in stale.items():
+            err_console().print(f"{server}: started against the previous backend, its connection is dead"
+                                f"{' (it exited)' if state == 'exited' else ''}: restart it",
+                                soft_wrap=True, highlight=False)
+        err_console().print("[dim]hint: `apirctl machine restart --remoting --restart-servers` restarts them "
+                            "(or `apirctl stop NAME`, then serve it again)[/]", soft_wrap=True)
 
 
 @app.command()
@@ -95,9 +146,14 @@ def stop(
 
     Refuses while a remoting server depends on it, unless --force.
     """
-    from apirctl import machine
+    from apirctl import serve
+    from apirctl.remoting import machines
 
-    _print(machine.platform().stop(name, force), json_out)
+    machine = machines.current()
+    if force:
+        for server in machine.servers(name):
+            serve.stop(server.name)
+    _print(machine.stop(name), json_out)
 
 
 @app.command()
@@ -106,13 +162,9 @@ def logs(
     tail: int = typer.Option(50, "--tail", "-n", help="Lines to show from the end."),
 ) -> None:
     """Show the host remoting backend's log (Linux: the RPC server; macOS: virglrenderer and APIR logs)."""
-    from apirctl import machine
+    from apirctl.remoting import machines
 
-    impl = machine.platform()
-    show = getattr(impl, "show_logs", None)
-    if show is None:
-        from apirctl.cli.output import not_implemented
-
-        not_implemented("machine logs")
-    else:
-        show(follow=follow, tail=tail)
+    for line in machines.current().logs(follow=follow, tail=tail):
+        sys.stdout.write(line + "\n")
+        if follow:
+            sys.stdout.flush()

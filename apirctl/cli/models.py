@@ -34,7 +34,9 @@ def _size(n: int) -> str:
 
 @app.command("list")
 def list_(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
-    """List apirctl's models and those found from Podman AI Lab and RamaLama (name, source, size, quant)."""
+    """List apirctl's models and those found from Podman AI Lab, RamaLama and Ollama (name, source, size, quant).
+
+    Examples: `apirctl list`, `apirctl ls --json`."""
     from apirctl import models
     from apirctl.cli.output import console, print_json
 
@@ -66,11 +68,15 @@ def pull(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar; print only the path."),
     json_out: bool = typer.Option(False, "--json", help="Print the resolved model as JSON."),
 ) -> None:
-    """Download a model into the store (resumes an interrupted download; a no-op when present)."""
-    from apirctl import models
-    from apirctl.cli.output import console, print_json
+    """Download a model into the store (resumes an interrupted download; a no-op when present).
 
-    model = models.pull(ref, quiet=quiet or json_out)
+    A split GGUF comes with all its parts, an Ollama vision model with its projector and params.
+    Examples: `apirctl pull smollm2`, `apirctl pull llama3.2:1b`, `apirctl pull hf.co/ORG/REPO:Q4_K_M`."""
+    from apirctl import models
+    from apirctl.cli.output import console, download_bars, print_json
+
+    with download_bars(enabled=not (quiet or json_out)) as progress:
+        model = models.pull(ref, progress=progress)
     if json_out:
         print_json(model.model_dump(mode="json"))
     elif quiet:
@@ -86,7 +92,8 @@ def rm(
 ) -> None:
     """Remove a model from apirctl's store (the file goes when no other name uses it).
 
-    Models owned by Podman AI Lab or RamaLama, and local files, are never deleted.
+    Models owned by Podman AI Lab, RamaLama or Ollama, and local files, are never deleted.
+    Example: `apirctl rm hf.co/ORG/REPO:Q4_K_M`.
     """
     from apirctl import models
     from apirctl.cli.output import console, print_json
@@ -103,7 +110,9 @@ def inspect(
     ref: str = typer.Argument(..., help=REF_HELP),
     json_out: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
-    """Show a local model's GGUF header: architecture, parameters, quantization, context, vocabulary."""
+    """Show a local model's GGUF header: architecture, parameters, quantization, context, kind, projector.
+
+    Examples: `apirctl inspect smollm2`, `apirctl inspect ./model.gguf --json`."""
     from apirctl import models
     from apirctl.cli.output import console, print_json
 
@@ -128,8 +137,17 @@ def inspect(
         ("vocabulary", str(info.vocab_size or "?")),
         ("layers", str(info.block_count or "?")),
         ("chat template", "yes" if info.chat_template else "no"),
+        ("kind", info.kind + ("" if info.kind == "chat" else " (served with --" + (
+            "embeddings" if info.kind == "embedding" else "reranking") + "; it does not chat)")),
         ("GGUF version", str(info.gguf_version)),
     ]
+    if info.split_count > 1:
+        rows.append(("split", f"{info.split_count} files: " + ", ".join(f.filename for f in model.files()
+                                                                       if f != model.mmproj)))
+    if model.mmproj:
+        rows.append(("projector", f"{model.mmproj.path} (vision: served with --mmproj)"))
+    if model.params:
+        rows.append(("params", ", ".join(f"{k}={v}" for k, v in sorted(model.params.items()))))
     for key, value in rows:
         table.add_row(key, value)
     console().print(table)
@@ -153,3 +171,12 @@ def aliases(json_out: bool = typer.Option(False, "--json", help="Print as JSON."
     for row in rows:
         table.add_row(row.name, row.target, row.origin)
     console().print(table)
+
+
+def register(root: typer.Typer) -> None:
+    """The store's everyday commands at the top level too, as `ollama` and `ramalama` spell them."""
+    root.command("pull")(pull)
+    root.command("list")(list_)
+    root.command("ls", hidden=True, help="Same as `apirctl list`.")(list_)
+    root.command("rm")(rm)
+    root.command("inspect")(inspect)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -11,6 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from apirctl.errors import ApirctlError
+    from apirctl.models import DownloadProgress
 
 
 @lru_cache(maxsize=1)
@@ -40,8 +43,36 @@ def error(exc: ApirctlError) -> None:
         err_console().print(f"[dim]hint: {escape(exc.hint)}[/]", soft_wrap=True)
 
 
-def not_implemented(what: str) -> None:
-    """For commands whose issue has not landed: say so and exit 2, never pretend."""
-    from apirctl.errors import NotImplementedYet
+@contextmanager
+def download_bars(enabled: bool = True) -> Iterator[DownloadProgress | None]:
+    """A download bar per label on stderr, drawn from the model store's progress reports (None
+    when disabled: the store then downloads silently)."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TaskID,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
-    raise NotImplementedYet(what)
+    bars = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=err_console(), transient=False)
+    tasks: dict[str, TaskID] = {}
+
+    def update(label: str, done: int, total: int | None) -> None:
+        if label not in tasks:
+            if not tasks:
+                bars.start()
+            tasks[label] = bars.add_task(label, total=total, completed=done)
+        bars.update(tasks[label], completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if tasks:
+            bars.stop()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import typer
 
 app = typer.Typer(
-    help="The resident apirctl process: commands run in forks of a warm interpreter, so they start in "
-    "milliseconds instead of a third of a second. It starts by itself after the first command, exits "
-    "after 15 idle minutes or when apirctl is upgraded; APIRCTL_RESIDENT=0 turns it off.",
+    help="The resident apirctl process (off unless turned on with APIRCTL_RESIDENT=1 or `apirctl config set "
+    "resident true`): commands run in forks of a warm interpreter, so they start in milliseconds instead of a "
+    "third of a second. Once on, it starts by itself after a command, exits after 15 idle minutes or when "
+    "apirctl is upgraded.",
     no_args_is_help=True,
 )
 
@@ -26,14 +27,15 @@ def status(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")
         console().print(f"running: pid {found['pid']}, socket {found['socket']}, "
                         f"exits after {found['idle_seconds'] // 60} idle minutes", soft_wrap=True)
     else:
-        state = "not running" if found["enabled"] else "off (APIRCTL_RESIDENT=0)"
+        state = "not running" if found["enabled"] else \
+            "off (turn it on with APIRCTL_RESIDENT=1 or `apirctl config set resident true`)"
         console().print(f"{state}; socket {found['socket']}", soft_wrap=True)
     raise typer.Exit(0 if found["running"] else 1)
 
 
 @app.command()
 def stop(json_out: bool = typer.Option(False, "--json", help="Print as JSON.")) -> None:
-    """Stop the resident process (the next command starts a new one unless APIRCTL_RESIDENT=0).
+    """Stop the resident process (while it is turned on, the next command starts a new one).
 
     Commands that are running go on to their end.
     """

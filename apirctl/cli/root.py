@@ -40,7 +40,7 @@ app = typer.Typer(
     ),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    rich_markup_mode="rich",
+    rich_markup_mode=None,  # help is plain text: `apirctl[plot]` stays, paragraphs reflow
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 
@@ -49,6 +49,12 @@ def _version(value: bool) -> None:
     if value:
         print(f"apirctl {__version__}")
         raise typer.Exit()
+
+
+@app.command("version")
+def version_() -> None:
+    """Print apirctl's version (`apirctl info` describes the whole installation)."""
+    print(f"apirctl {__version__}")
 
 
 @app.callback()
@@ -65,6 +71,7 @@ serve.register(app)
 chat.register(app)
 app.add_typer(bench.app, name="bench")
 app.add_typer(models.app, name="models")
+models.register(app)
 install.register(app)
 app.add_typer(backend.app, name="backend")
 setup.register(app)
@@ -72,6 +79,34 @@ diagnose.register(app)
 app.add_typer(config.app, name="config")
 app.add_typer(apir.app, name="apir")
 app.add_typer(resident.app, name="resident")
+
+
+def _metavar(param: Any) -> str:
+    """A plain word for a value: the option's long name (PORT, CTX-SIZE) or the argument's (MODEL)."""
+    longs = [o for o in getattr(param, "opts", []) if o.startswith("--")]
+    return (longs[0][2:] if longs else (param.name or "value")).replace("_", "-").upper()
+
+
+def build_command() -> Any:
+    """The click command of `app`, with plain metavars (typer writes `<int>`, `<list[str]>`)."""
+    from apirctl.cli.examples import epilog
+
+    command = typer.main.get_command(app)
+
+    def fix(cmd: Any, path: str = "") -> None:
+        text = f"{cmd.help or ''}{cmd.epilog or ''}"
+        if "xample" not in text and epilog(path):
+            cmd.epilog = epilog(path)
+        for param in cmd.params:
+            if param.metavar is None and not getattr(param, "is_flag", False) and not getattr(param, "count", False):
+                param.metavar = _metavar(param)
+            if getattr(param, "param_type_name", "") == "argument":
+                param.display_type_rich = lambda ctx=None: None  # the name says it: no `<str>` after it
+        for name, sub in (getattr(cmd, "commands", None) or {}).items():
+            fix(sub, f"{path} {name}".strip())
+
+    fix(command)
+    return command
 
 
 def run(argv: list[str], command: Any = None) -> int:
@@ -90,7 +125,10 @@ def run(argv: list[str], command: Any = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        (command or typer.main.get_command(app))(args=argv, prog_name="apirctl")
+        # Not standalone: a usage error comes back here and becomes one line and a hint, like every
+        # other error, instead of the framework's boxed usage text.
+        result = (command or build_command()).main(args=argv, prog_name="apirctl", standalone_mode=False)
+        return result if isinstance(result, int) and not isinstance(result, bool) else 0
     except SystemExit as exc:
         if isinstance(exc.code, str):
             print(exc.code, file=sys.stderr)
@@ -103,7 +141,30 @@ def run(argv: list[str], command: Any = None) -> int:
     except KeyboardInterrupt:
         print("apirctl: interrupted", file=sys.stderr)
         return 130
-    return 0
+    except Exception as exc:
+        code = _usage_error(exc)
+        if code is None:
+            raise
+        return code
+
+
+def _usage_error(exc: Exception) -> int | None:
+    """A command-line parsing error (the framework's exception, found by its interface: typer ships
+    its own copy of click) as one line and a hint; None for anything else."""
+    if not (hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int)):
+        return None
+    code = int(exc.exit_code)  # type: ignore[attr-defined]
+    if type(exc).__name__ == "NoArgsIsHelpError":  # `apirctl` or a group alone: its help
+        exc.show()  # type: ignore[attr-defined]
+        return code
+    from apirctl.cli.output import error
+    from apirctl.errors import ApirctlError
+
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "apirctl"
+    message = " ".join(str(exc.format_message()).split())
+    error(ApirctlError(message, hint=f"see `{where} -h`"))
+    return code
 
 
 class PreparedApp:
@@ -112,7 +173,7 @@ class PreparedApp:
     command; `exercise` does that work (and an empty parse of every command) ahead of time."""
 
     def __init__(self) -> None:
-        self.command = typer.main.get_command(app)
+        self.command = build_command()
         self.exercise()
 
     def exercise(self, samples: tuple[list[str], ...] = ()) -> None:

@@ -15,14 +15,22 @@ SERVE_EPILOG = (
     "  apirctl serve smollm2                      # the demo model, http://127.0.0.1:1234/v1\n\n"
     "  apirctl serve ./model.gguf --port 8080 --transport none\n\n"
     "  apirctl serve smollm2 -- --temp 0.2        # anything after -- goes to llama-server\n\n"
-    "  apirctl serve smollm2 --rpc-backend 127.0.0.1:50052 --via-ssh me@gpu-box   # a remote GPU host"
+    "  apirctl serve smollm2 --rpc-backend 127.0.0.1:50052 --via-ssh me@gpu-box   # a remote GPU host\n\n"
+    "  apirctl serve smollm2 --restart on-failure:3  # Podman restarts it when it fails\n\n"
+    "  apirctl serve smollm2 --generate kube > smollm2.yaml   # then: podman kube play smollm2.yaml\n\n"
+    "  apirctl serve smollm2 --generate quadlet > ~/.config/containers/systemd/smollm2.container"
 )
 
 _LLAMA_ARGS = typer.Argument(None, help="Extra llama-server flags, after `--`.", show_default=False)
 _RPC_BACKEND = typer.Option(
     None, "--rpc-backend", metavar="HOST:PORT",
-    help="A llama.cpp RPC backend (`apirctl machine restart --remoting` on that host); repeat it to "
+    help="A llama.cpp RPC backend (`apirctl machine restart --remoting --listen tcp` on that host); repeat it to "
     "split the layers across several. Implies --transport rpc.",
+)
+_GPU_DEVICE = typer.Option(
+    None, "--gpu-device", metavar="CDI-NAME|/dev/PATH",
+    help="A device to hand to the container: a CDI name (nvidia.com/gpu=all, nvidia.com/gpu=0) or a "
+    "/dev path (/dev/dri/renderD128); repeatable. Default: what `apirctl doctor` finds. Implies --transport gpu.",
 )
 _SSH_OPTION = typer.Option(
     None, "--ssh-option", metavar="KEY=VALUE",
@@ -36,15 +44,32 @@ def serve(
         "Default: the `default_model` setting."
     ),
     llama_args: list[str] = _LLAMA_ARGS,
-    port: int = typer.Option(None, "--port", "-p", help="Host port of the API (default 1234, must be > 1024)."),
+    port: int = typer.Option(
+        None, "--port", "-p",
+        help="Host port of the API (above 1024). Default 1234, or the next free one when 1234 is taken.",
+    ),
     name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
     transport: str = typer.Option(
         None, "--transport", "-t",
-        help="auto (remoting when `apirctl machine status` is ready, else none), virtgpu (macOS), "
-        "rpc (Linux host GPU over llama.cpp RPC), none (container CPU).",
+        help="auto (GPU passthrough where the engine can hand the GPU over, else remoting when `apirctl "
+        "machine status` is ready, else none; says why), gpu (Linux: the container gets the GPU: CDI or "
+        "/dev/dri), virtgpu (macOS), rpc (Linux host GPU over llama.cpp RPC), none (container CPU).",
     ),
     image: str = typer.Option(None, "--image", help="Container image (default: apirctl's local llama.cpp image)."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
+    temperature: float = typer.Option(None, "--temp", "--temperature", min=0.0,
+                                      help="Default sampling temperature of the server."),
+    seed: int = typer.Option(None, "--seed", help="Default sampling seed (the same seed repeats an answer)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Default limit of tokens per answer."),
+    restart: str = typer.Option(
+        None, "--restart", metavar="POLICY",
+        help="Podman restart policy: no, on-failure[:N], always, unless-stopped.",
+    ),
+    generate: str = typer.Option(
+        None, "--generate", metavar="FORMAT",
+        help="Print the server as a Podman quadlet unit (quadlet) or Kubernetes YAML (kube) instead of "
+        "starting it; `podman kube play` or systemd runs it.",
+    ),
     ngl: int = typer.Option(None, "--ngl", help="Layers offloaded to the remoted GPU (default 999 = all)."),
     threads: int = typer.Option(None, "--threads", help="CPU threads of llama-server (default: its choice)."),
     api_key: str = typer.Option(None, "--api-key", help="Require this bearer key on the API."),
@@ -59,6 +84,7 @@ def serve(
     timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
     json_out: bool = typer.Option(False, "--json", help="Print the server as JSON once ready."),
     rpc_backend: list[str] = _RPC_BACKEND,
+    gpu_device: list[str] = _GPU_DEVICE,
     via_ssh: str = typer.Option(
         None, "--via-ssh", metavar="USER@HOST[:PORT]",
         help="Reach the --rpc-backend addresses through an SSH tunnel to this host (addresses as it sees "
@@ -85,9 +111,13 @@ def serve(
         model or config.settings().default_model,
         port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl, threads=threads,
         api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
-        rpc_backends=list(rpc_backend or []), via_ssh=via_ssh, insecure_network=insecure_network or None,
-        ssh_options=list(ssh_option or []),
+        rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
+        insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
+        seed=seed, max_tokens=max_tokens, restart=restart,
     )
+    if generate:
+        sys.stdout.write(lib.generate(opts, generate))
+        return
     # rich is imported only for a terminal: its import is a visible part of serve's time on a pipe
     with _Phases(live=sys.stderr.isatty() and not json_out, quiet=json_out) as phases:
         try:
@@ -120,7 +150,7 @@ def _print_ready(server: Any, total: float, api_key: str | None) -> None:
         f"  logs:  apirctl logs {server.name} -f",
         f"  stop:  apirctl stop {server.name}",
     ]
-    head = f"{server.name} serves {server.model} ({server.transport}) at "
+    head = f"{server.name} serves {server.model} ({server.transport_name}) at "
     if not sys.stdout.isatty():
         print(f"ready in {total:.1f} s: {head}{server.url}", *lines, sep="\n", flush=True)
         return
@@ -130,7 +160,7 @@ def _print_ready(server: Any, total: float, api_key: str | None) -> None:
 
     out = console()
     out.print(f"[green]ready[/] in {total:.1f} s: [bold]{escape(server.name)}[/] serves {escape(server.model)} "
-              f"({server.transport}) at [bold]{server.url}[/]", soft_wrap=True)
+              f"({server.transport_name}) at [bold]{server.url}[/]", soft_wrap=True)
     for line in lines:
         out.print(line, soft_wrap=True, highlight=False, markup=False)
 
@@ -140,7 +170,7 @@ class _Phases:
     plain line per phase on a pipe (rich's live display is not even imported there), nothing
     with --json."""
 
-    PHASES = ("model", "ssh tunnels", "image", "container", "loading model", "ready")
+    PHASES = ("model", "ssh tunnels", "rpc backend", "image", "container", "loading model", "ready")
 
     def __init__(self, live: bool, quiet: bool) -> None:
         self.live, self.quiet = live, quiet
@@ -229,7 +259,9 @@ def ps(
 ) -> None:
     """List inference servers: apirctl's and the upstream Podman Desktop extension's (by label).
 
-    HEALTH is llama-server's /health, asked now: ok, loading, error or unreachable.
+    HEALTH is llama-server's /health, asked now: ok, loading, error or unreachable. TRANSPORT is
+    none, virtgpu, or rpc with its link: rpc-shm (a backend of its own, shared memory),
+    rpc-unix (its own backend, on the socket) or rpc-tcp (the shared or a remote TCP backend).
     """
     from rich.table import Table
 
@@ -244,7 +276,8 @@ def ps(
         console().print("no inference servers" + ("" if all_ else " running (`apirctl ps -a` shows stopped ones)"))
         return
     header = ("NAME", "MODEL", "TRANSPORT", "URL", "STATE", "HEALTH", "UPTIME")
-    rows = [(s.name, s.model, s.transport, s.url, s.state, s.health, _uptime(s.created, s.state)) for s in servers]
+    rows = [(s.name, s.model, s.transport_name, s.url, s.state, s.health, _uptime(s.created, s.state))
+            for s in servers]
     if not console().is_terminal:  # pipes get plain aligned columns, never wrapped or cut
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:
@@ -297,8 +330,77 @@ def stop(
         console().print("no apirctl servers to stop")
 
 
+_RUN_IMAGE = typer.Option(None, "--image", metavar="FILE", help="An image for the first message (vision models).")
+RUN_EPILOG = (
+    "Examples:\n\n"
+    "  apirctl run smollm2                        # serve, chat, and stop the server when the chat ends\n\n"
+    "  apirctl run llama3.2:1b -p 'Hello'         # one answer, printed, then the server stops\n\n"
+    "  apirctl run smollm2 --keep                 # the server stays after the chat\n\n"
+    "  apirctl run smollm2 --temp 0.2 --seed 42 --ctx-size 8192 -- --top-k 20"
+)
+
+
+def run(
+    model: str = typer.Argument(
+        None, help="Model: alias (smollm2), .gguf path, hf://, ollama://, https://, pypi://. "
+        "Default: the `default_model` setting."
+    ),
+    llama_args: list[str] = _LLAMA_ARGS,
+    prompt: str = typer.Option(None, "--prompt", help="Ask once, print the answer, stop (stdin, if piped, follows)."),
+    system: str = typer.Option(None, "--system", "-s", help="System prompt."),
+    image: list[str] = _RUN_IMAGE,
+    port: int = typer.Option(
+        None, "--port", "-p",
+        help="Host port of the API (above 1024). Default 1234, or the next free one when 1234 is taken.",
+    ),
+    name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
+    transport: str = typer.Option(None, "--transport", "-t", help="auto, virtgpu, rpc or none (see `serve`)."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
+    temperature: float = typer.Option(None, "--temp", "--temperature", min=0.0, help="Sampling temperature."),
+    seed: int = typer.Option(None, "--seed", help="Sampling seed (the same seed repeats an answer)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Stop each answer after N tokens."),
+    keep: bool = typer.Option(False, "--keep", help="Leave the server running when the chat ends."),
+    timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
+) -> None:
+    """Serve a model and chat with it in one command, as `ollama run` and `ramalama run` do.
+
+    The server stops when the chat ends (`/exit`, Ctrl-D, or the one answer of `--prompt`), unless
+    `--keep`. Embedding and reranking models are refused before anything starts: they do not chat.
+    """
+    from apirctl import serve as lib
+    from apirctl.cli.chat import refuse_non_chat, talk
+    from apirctl.cli.output import err_console
+
+    opts = lib.options(
+        model or _default_model(), port=port, name=name, transport=transport, ctx_size=ctx_size,
+        timeout=timeout, llama_args=list(llama_args or []), temperature=temperature, seed=seed,
+        max_tokens=max_tokens,
+    )
+    with _Phases(live=sys.stderr.isatty(), quiet=False) as phases:
+        started = lib.start(opts, progress=phases.update)
+    server = started.server
+    if started.notice:
+        err_console().print(f"[yellow]notice:[/] {started.notice}", soft_wrap=True)
+    try:
+        refuse_non_chat(server)
+        talk(server.url, server.model, system=system, prompt=prompt, images=list(image or []))
+    finally:
+        if keep:
+            err_console().print(f"{server.name} keeps serving at {server.url}; `apirctl stop {server.name}` stops it",
+                                markup=False, highlight=False, soft_wrap=True)
+        else:
+            lib.stop(server.name)
+
+
+def _default_model() -> str:
+    from apirctl import config
+
+    return config.settings().default_model
+
+
 def register(app: typer.Typer) -> None:
     app.command(epilog=SERVE_EPILOG, context_settings={"allow_interspersed_args": True})(serve)
+    app.command(epilog=RUN_EPILOG, context_settings={"allow_interspersed_args": True})(run)
     app.command()(ps)
     app.command()(logs)
     app.command()(stop)

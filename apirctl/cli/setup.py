@@ -11,6 +11,9 @@ def setup(
                                help="Build the local inference image (--no-image also skips the CPU build the "
                                     "image holds, on a GPU host)."),
     model: bool = typer.Option(True, "--model/--no-model", help="Fetch the default (demo) model."),
+    vulkan: bool = typer.Option(False, "--vulkan",
+                                help="Also build llama.cpp's Vulkan backend and its image, for GPU passthrough "
+                                     "of /dev/dri render nodes (needs libvulkan-dev, glslc, spirv-headers)."),
     json_out: bool = typer.Option(False, "--json", help="Print what was set up as JSON."),
 ) -> None:
     """Build llama.cpp from its pinned source, build the inference image, fetch the demo model.
@@ -24,8 +27,9 @@ def setup(
     """
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from apirctl import config, provision
-    from apirctl.cli.output import console, print_json
+    from apirctl import config
+    from apirctl.build import provision
+    from apirctl.cli.output import console, download_bars, print_json
 
     jobs_wanted: int | None = jobs or config.settings().build_jobs
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
@@ -43,8 +47,9 @@ def setup(
             if task is not None:
                 bar.update(task, completed=done, total=total)
 
-        result = provision.run(jobs=jobs_wanted, with_image=image, with_model=model, on_step=on_step,
-                               progress=on_progress)
+        with download_bars(enabled=not json_out) as on_download:
+            result = provision.run(jobs=jobs_wanted, with_image=image, with_model=model, on_step=on_step,
+                                   progress=on_progress, on_download=on_download, vulkan=vulkan)
         if task is not None:
             bar.update(task, completed=bar.tasks[task].total)
     if json_out:
@@ -54,6 +59,8 @@ def setup(
                     f"({result.host_build.backend}) in {result.host_build.bin_dir}", soft_wrap=True)
     if result.image:
         console().print(f"  image: {result.image}", soft_wrap=True)
+    for gpu_image in result.gpu_images:
+        console().print(f"  GPU passthrough image: {gpu_image}", soft_wrap=True)
     if result.model:
         console().print(f"  model: {result.model}", soft_wrap=True)
     console().print("[dim]next: apirctl doctor, apirctl machine restart --remoting, apirctl serve[/]")

@@ -1,19 +1,21 @@
 """The host side of remoting, one interface over two platforms.
 
 On macOS the "machine" is the libkrun Podman machine whose krunkit loads the
-API-remoting virglrenderer (`apirctl.machine.macos`); on Linux it is llama.cpp's
-RPC server running on the host GPU, owned by apirctl (`apirctl.machine.linux`).
+API-remoting virglrenderer (`apirctl.macos.machine`); on Linux it is llama.cpp's
+RPC server running on the host GPU, owned by apirctl (`apirctl.remoting.rpc_server`).
 Both report the same states, whose numbers are the exit codes of
 `apirctl machine status` (the upstream status script's and extension's codes).
 """
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable, Iterator
 from enum import IntEnum
 from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
+
+from apirctl.podman.servers import Server
 
 
 class MachineState(IntEnum):
@@ -46,7 +48,8 @@ class RestartOptions(BaseModel):
     # Linux (RPC backend)
     device: str | None = None
     threads: int | None = None
-    port: int | None = None
+    port: int | None = None  # implies listen tcp
+    listen: str | None = None  # unix (default) or tcp; None: tcp with a port, else the rpc_listen setting
     cache: bool | None = None
     # macOS
     krunkit: str | None = None
@@ -54,27 +57,22 @@ class RestartOptions(BaseModel):
 
 
 class Platform(Protocol):
+    """What `apirctl machine` drives; `apirctl.remoting.machines.current()` gives this host's."""
+
     def status(self, name: str | None = None) -> MachineStatus: ...
 
-    def restart(self, options: RestartOptions) -> MachineStatus: ...
+    def restart(self, options: RestartOptions, progress: Callable[[str], None] | None = None) -> MachineStatus:
+        """`progress(step)` is told each step as it starts (`apirctl machine restart` shows them)."""
+        ...
 
-    def stop(self, name: str | None = None, force: bool = False) -> MachineStatus: ...
+    def stop(self, name: str | None = None) -> MachineStatus:
+        """Refuses while inference servers use the machine (`servers`); `--force` stops those first."""
+        ...
 
+    def servers(self, name: str | None = None) -> list[Server]: ...
 
-def platform() -> Platform:
-    """The implementation for this host; `APIRCTL_PLATFORM=macos|linux` overrides it (tests use it
-    to drive the macOS code on Linux against the fakes in tests/fakes)."""
-    import os
+    def stale_servers(self) -> list[Server]:
+        """Servers whose link to the machine died with a restart under them (they need a restart)."""
+        ...
 
-    chosen = os.environ.get("APIRCTL_PLATFORM", "").strip().lower()
-    if chosen and chosen not in ("macos", "darwin", "linux"):
-        from apirctl.errors import ApirctlError
-
-        raise ApirctlError(f"APIRCTL_PLATFORM={chosen} is not a platform", hint="use macos or linux")
-    if chosen in ("macos", "darwin") or (not chosen and sys.platform == "darwin"):
-        from apirctl.machine import macos
-
-        return macos
-    from apirctl.machine import linux
-
-    return linux
+    def logs(self, follow: bool = False, tail: int = 50) -> Iterator[str]: ...

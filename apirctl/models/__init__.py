@@ -7,8 +7,9 @@ and `inspect(path) -> ModelInfo`. See docs/models.md for the reference forms and
 from __future__ import annotations
 
 from apirctl.models.aliases import DEMO
-from apirctl.models.catalog import ListedModel, ResolvedModel, list_models, pull, remove, resolve
-from apirctl.models.ggufinfo import ModelInfo, inspect
+from apirctl.models.catalog import ListedModel, ModelFile, ResolvedModel, list_models, pull, remove, resolve
+from apirctl.models.download import DownloadProgress
+from apirctl.models.ggufinfo import Header, ModelInfo, header, inspect
 
-__all__ = ["DEMO", "ListedModel", "ModelInfo", "ResolvedModel", "inspect", "list_models", "pull", "remove",
-           "resolve"]
+__all__ = ["DEMO", "DownloadProgress", "Header", "ListedModel", "ModelFile", "ModelInfo", "ResolvedModel", "header",
+           "inspect", "list_models", "pull", "remove", "resolve"]

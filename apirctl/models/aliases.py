@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
+from apirctl.config import settings
 from apirctl.errors import ApirctlError
+from apirctl.models.reference import parse
 
 DEMO = "smollm2"
 
@@ -31,7 +33,6 @@ class Alias(BaseModel):
 
 def table() -> list[Alias]:
     """The effective table: the config's `model_aliases` win over shipped names."""
-    from apirctl.config import settings
 
     configured = settings().model_aliases
     rows = {name: Alias(name=name, target=target, origin="shipped") for name, target in SHIPPED.items()}
@@ -58,7 +59,6 @@ def expand(text: str) -> tuple[str, str | None]:
 
 def names_for(canonical: str) -> list[str]:
     """Aliases that lead to a canonical reference (shown next to the model in `models list`)."""
-    from apirctl.models.reference import parse
 
     found = []
     for alias in table():

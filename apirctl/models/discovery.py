@@ -1,4 +1,4 @@
-"""Models other tools already downloaded: Podman AI Lab and RamaLama. Found, never copied.
+"""Models other tools already downloaded: Podman AI Lab, RamaLama and Ollama. Found, never copied.
 
 - Podman AI Lab keeps each model in `<extension storage>/redhat.ai-lab/models/<id>/<file>.gguf`
   (`<id>` like `hf.org.name`; a `.tmp` file is a download in progress). Override the folder
@@ -7,18 +7,27 @@
   (`{"hash": …, "files": [{"hash", "name", "type"}]}`), `snapshots/<hash>/<name>` and
   `blobs/`. The base is `RAMALAMA_STORE`, else `~/.local/share/ramalama` (and `/var/lib/ramalama`
   for root). Override with `APIRCTL_RAMALAMA_STORE`.
+- Ollama's store is `OLLAMA_MODELS`, else `~/.ollama/models`: `manifests/<host>/<namespace>/<name>/<tag>`
+  (a v2 manifest) and `blobs/sha256-<hex>`. The model layer is the GGUF; a projector layer is the
+  vision model's `--mmproj`; the params layer holds default sampling settings.
 
 Names: an AI Lab model is `ailab://<id>` (or just `<id>`); a RamaLama model is named as
 RamaLama lists it (`ollama://library/tinyllama:latest`), so the same name used with
-apirctl finds RamaLama's copy instead of downloading it again.
+apirctl finds RamaLama's copy instead of downloading it again. An Ollama model answers to
+`ollama://library/llama3.2:1b` and to the names Ollama prints (`llama3.2:1b`, `hf.co/org/repo:Q4_K_M`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from apirctl.errors import ApirctlError
+from apirctl.models import ollama
 
 AILAB_SUBDIR = Path(".local/share/containers/podman-desktop/extensions-storage/redhat.ai-lab/models")
 
@@ -28,10 +37,13 @@ class Discovered:
     """A GGUF file another tool owns."""
 
     name: str
-    source: str  # "ailab" or "ramalama"
+    source: str  # "ailab", "ramalama" or "ollama-local"
     path: Path
     size: int
     names: tuple[str, ...] = field(default=())  # every name it answers to, `name` first
+    mmproj: Path | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    parts: tuple[Path, ...] = field(default=())  # parts 2..N of a split GGUF, beside `path`
 
 
 def ailab_dir() -> Path:
@@ -47,6 +59,57 @@ def ramalama_stores() -> list[Path]:
     if hasattr(os, "geteuid") and os.geteuid() == 0:
         bases.append(Path("/var/lib/ramalama"))
     return [base / "store" for base in bases]
+
+
+def ollama_dir() -> Path:
+    override = os.environ.get("OLLAMA_MODELS")
+    return Path(override).expanduser() if override else Path.home() / ".ollama" / "models"
+
+
+def _ollama_names(host: str, namespace: str, name: str, tag: str) -> tuple[str, ...]:
+    """The canonical reference first, then what `ollama list` prints."""
+    if host == "registry.ollama.ai":
+        short = f"{name}:{tag}" if namespace == "library" else f"{namespace}/{name}:{tag}"
+        return (f"ollama://{namespace}/{name}:{tag}", short)
+    if host in ("hf.co", "huggingface.co"):
+        label = f"hf.co/{namespace}/{name}" + ("" if tag == "latest" else f":{tag}")
+        canonical = f"hf://{namespace}/{name}" + ("" if tag == "latest" else f":{tag}")
+        return (label, canonical, f"{label}:{tag}") if tag == "latest" else (label, canonical)
+    return (f"{host}/{namespace}/{name}:{tag}",)
+
+
+def _ollama_model(root: Path, manifest_file: Path) -> Discovered | None:
+    parts = manifest_file.relative_to(root / "manifests").parts
+    if len(parts) != 4:
+        return None
+    try:
+        found = ollama.parse_manifest(json.loads(manifest_file.read_text()), str(manifest_file))
+    except (OSError, ValueError, ApirctlError):
+        return None  # a manifest Ollama is writing, or one of another kind: not a model to offer
+
+    def blob(hexdigest: str) -> Path:
+        return root / "blobs" / f"sha256-{hexdigest}"
+
+    model = blob(found.model.hexdigest)
+    if not model.is_file():
+        return None
+    mmproj = blob(found.projector.hexdigest) if found.projector else None
+    params: dict[str, Any] = {}
+    if found.params:
+        with contextlib.suppress(OSError):
+            params = ollama.parse_params(blob(found.params.hexdigest).read_bytes()[:ollama.PARAMS_LIMIT])
+    names = _ollama_names(*parts)
+    return Discovered(names[0], "ollama-local", model, model.stat().st_size, names,
+                      mmproj=mmproj if mmproj and mmproj.is_file() else None, params=params)
+
+
+def _ollama() -> list[Discovered]:
+    root = ollama_dir()
+    manifests = root / "manifests"
+    if not manifests.is_dir():
+        return []
+    found = (_ollama_model(root, path) for path in sorted(manifests.glob("*/*/*/*")) if path.is_file())
+    return [model for model in found if model]
 
 
 def _ailab() -> list[Discovered]:
@@ -110,8 +173,8 @@ def _ramalama() -> list[Discovered]:
 
 
 def discover() -> list[Discovered]:
-    """Every GGUF that AI Lab and RamaLama hold now (a missing store is simply empty)."""
-    return _ailab() + _ramalama()
+    """Every GGUF that AI Lab, RamaLama and Ollama hold now (a missing store is simply empty)."""
+    return _ailab() + _ramalama() + _ollama()
 
 
 def find(name: str) -> Discovered | None:

@@ -10,19 +10,22 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
+from apirctl import __version__
 from apirctl.errors import ApirctlError
 
 if TYPE_CHECKING:
     import httpx
-    from rich.progress import Progress, TaskID
 
 CHUNK = 1 << 20
+#: Told how far a download got, as bytes arrive: (label, bytes held, total bytes or None when unknown).
+#: The CLI draws a bar with it; library callers pass nothing.
+DownloadProgress = Callable[[str, int, "int | None"], None]
 
 
 @dataclass
@@ -38,8 +41,6 @@ class Remote:
 def client() -> httpx.Client:
     """The HTTP client every source uses: redirects followed, patient reads, a user agent."""
     import httpx
-
-    from apirctl import __version__
 
     return httpx.Client(
         follow_redirects=True,
@@ -93,32 +94,6 @@ def _hash_existing(path: Path) -> hashlib._Hash:
     return digest
 
 
-def _progress(label: str, total: int | None, done: int, quiet: bool) -> tuple[Progress, TaskID]:
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    from apirctl.cli.output import err_console
-
-    progress = Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=err_console(),
-        disable=quiet,
-        transient=False,
-    )
-    task = progress.add_task(label, total=total, completed=done)
-    return progress, task
-
-
 def _reset(fh: IO[bytes]) -> None:
     fh.seek(0)
     fh.truncate(0)
@@ -130,7 +105,7 @@ def validator_path(partial: Path) -> Path:
 
 
 def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], validator: Path, *, label: str,
-                 quiet: bool) -> int:
+                 progress: DownloadProgress | None) -> int:
     """Append the rest of the file to `fh` (positioned at its end); return the bytes now held.
 
     A resume carries `If-Range`, so a server whose file changed since sends all of the new one.
@@ -159,12 +134,13 @@ def _stream_into(http: httpx.Client, remote: Remote, fh: IO[bytes], validator: P
                 validator.unlink(missing_ok=True)
         length = response.headers.get("Content-Length")
         total = remote.size or (have + int(length) if length and length.isdigit() else None)
-        progress, task = _progress(label, total, have, quiet)
-        with progress:
-            for chunk in response.iter_raw():  # as bytes arrive: a cut connection keeps what came
-                fh.write(chunk)
-                have += len(chunk)
-                progress.update(task, completed=have)
+        if progress:
+            progress(label, have, total)
+        for chunk in response.iter_raw():  # as bytes arrive: a cut connection keeps what came
+            fh.write(chunk)
+            have += len(chunk)
+            if progress:
+                progress(label, have, total)
     fh.flush()
     return have
 
@@ -184,7 +160,8 @@ def _drop_if_empty(path: Path) -> None:
         pass
 
 
-def fetch(http: httpx.Client, remote: Remote, partial: Path, *, label: str, quiet: bool) -> str:
+def fetch(http: httpx.Client, remote: Remote, partial: Path, *, label: str,
+          progress: DownloadProgress | None = None) -> str:
     """Download `remote` into `partial`, resuming what is there; return the sha256 hex digest.
 
     On a network failure the partial file stays for the next attempt; on a digest
@@ -199,10 +176,10 @@ def fetch(http: httpx.Client, remote: Remote, partial: Path, *, label: str, quie
                 _reset(fh)
             have = fh.tell()
             if remote.size is None or have < remote.size:
-                have = _stream_into(http, remote, fh, validator, label=label, quiet=quiet)
+                have = _stream_into(http, remote, fh, validator, label=label, progress=progress)
                 if have < 0:  # our partial file does not fit the server's file: start over
                     _reset(fh)
-                    have = _stream_into(http, remote, fh, validator, label=label, quiet=quiet)
+                    have = _stream_into(http, remote, fh, validator, label=label, progress=progress)
         except httpx.HTTPError as exc:
             fh.flush()
             _drop_if_empty(partial)

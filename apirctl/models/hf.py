@@ -1,8 +1,11 @@
-"""Hugging Face: resolve URLs, the LFS digest of a file, and picking a GGUF by quantization tag.
+"""Hugging Face: resolve URLs, the LFS digest of a file, picking a GGUF by quantization tag, the shared cache.
 
 The endpoint is `APIRCTL_HF_ENDPOINT` (or the `HF_ENDPOINT` that Hugging Face's own tools
-read), so tests and mirrors can stand in for the public service. `HF_TOKEN` is sent for
-gated repositories; the HTTP client drops it on a redirect to another host.
+read), so tests and mirrors can stand in for the public service. The token is the one
+`huggingface_hub` finds (`HF_TOKEN`, else the file `hf auth login` wrote under `HF_HOME`), sent
+for gated repositories; the HTTP client drops it on a redirect to another host. A file already
+in Hugging Face's own cache (`HF_HUB_CACHE`) is used where it lies; `HF_HUB_OFFLINE=1` uses
+only that cache. `huggingface_hub` is imported only on these paths (half a second of start-up).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any
 
 from apirctl.errors import ApirctlError
+from apirctl.models import split
 from apirctl.models.download import Remote, http_error, network_error
 
 if TYPE_CHECKING:
@@ -28,9 +32,47 @@ def endpoint() -> str:
     return (os.environ.get("APIRCTL_HF_ENDPOINT") or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
 
 
+def token() -> str | None:
+    """The access token as Hugging Face's own tools find it: `HF_TOKEN`, else the stored login."""
+    from huggingface_hub import get_token
+
+    return os.environ.get("HF_TOKEN") or get_token()
+
+
 def _headers() -> dict[str, str]:
-    token = os.environ.get("HF_TOKEN")
-    return {"Authorization": f"Bearer {token}"} if token else {}
+    value = token()
+    return {"Authorization": f"Bearer {value}"} if value else {}
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def cached(repo: str, filename: str | None, quant: str | None, revision: str) -> str | None:
+    """The path of the file this reference names in Hugging Face's cache, picked as a download would pick."""
+    from pathlib import Path
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if filename:
+        found = try_to_load_from_cache(repo, filename, revision=revision)
+        return found if isinstance(found, str) else None
+    repo_dir = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}"
+    try:
+        commit = (repo_dir / "refs" / revision).read_text().strip()
+    except OSError:
+        commit = revision
+    snapshot = repo_dir / "snapshots" / commit
+    if not snapshot.is_dir():
+        return None
+    files = [{"path": str(p.relative_to(snapshot))} for p in snapshot.rglob("*.gguf")]
+    try:
+        name = pick(files, quant, "")
+    except ApirctlError:
+        return None
+    return str(snapshot / name)
 
 
 def _quote(path: str) -> str:
@@ -68,26 +110,44 @@ def pick(files: list[dict[str, Any]], quant: str | None, label: str) -> str:
         pattern = re.compile(rf"(^|[^A-Za-z0-9]){re.escape(tag)}([^A-Za-z0-9]|$)", re.IGNORECASE)
         return [p for p in single if pattern.search(p.rsplit("/", 1)[-1].removesuffix(".gguf"))]
 
+    def first_parts(tag: str | None) -> list[str]:
+        """The first part of each split model (matching the tag, when one is given)."""
+        firsts = {split.parts(p)[0] for p in ggufs if _SHARD.search(p) and "mmproj" not in p.lower()}
+        if tag is None:
+            return sorted(firsts)
+        pattern = re.compile(rf"(^|[^A-Za-z0-9]){re.escape(tag)}([^A-Za-z0-9]|$)", re.IGNORECASE)
+        return sorted(p for p in firsts if pattern.search(p))
+
     if quant:
-        found = matching(quant)
+        found = matching(quant) or first_parts(quant)
         if len(found) == 1:
             return found[0]
         if not found:
-            sharded = [p for p in ggufs if quant.lower() in p.lower() and _SHARD.search(p)]
-            why = "only as a split (multi-file) GGUF, which apirctl does not fetch" if sharded else "no file"
-            raise ApirctlError(f"{label}: {why} matches {quant!r}",
+            raise ApirctlError(f"{label}: no file matches {quant!r}",
                                hint="files: " + ", ".join(sorted(single)[:12]))
         raise ApirctlError(f"{label}: {len(found)} files match {quant!r}: {', '.join(sorted(found))}",
                            hint="name the file: hf://ORG/REPO/FILE.gguf")
     if len(single) == 1:
         return single[0]
+    if not single and len(first_parts(None)) == 1:
+        return first_parts(None)[0]
     for tag in PREFERRED_QUANTS:
-        found = matching(tag)
+        found = matching(tag) or first_parts(tag)
         if len(found) == 1:
             return found[0]
     raise ApirctlError(f"{label}: the repository has {len(single)} GGUF files; say which",
                        hint="add a quantization (hf.co/ORG/REPO:Q4_K_M) or name the file; files: "
                        + ", ".join(sorted(single)[:12]))
+
+
+def pick_mmproj(files: list[dict[str, Any]]) -> str | None:
+    """The vision projector a repository ships beside its models (F16 when there are several), if any."""
+    found = sorted(str(f["path"]) for f in files
+                   if str(f["path"]).lower().endswith(".gguf") and "mmproj" in str(f["path"]).lower())
+    if len(found) > 1:
+        preferred = [p for p in found if "f16" in p.lower()]
+        found = preferred or found
+    return found[0] if found else None
 
 
 def _etag_digest(headers: httpx.Headers) -> str | None:

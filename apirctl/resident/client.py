@@ -10,7 +10,7 @@ import signal
 import struct
 import sys
 
-from apirctl.resident import PROTOCOL, Reader, frame, runtime_dir, socket_path
+from apirctl.resident.shared import ANSWER_SECONDS, PROTOCOL, Reader, frame, runtime_dir, socket_path
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -21,17 +21,23 @@ FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGWINCH", "SIGUSR1", "S
 
 
 def run(argv: list[str]) -> int | None:
-    """Run `apirctl argv` in the resident process; None when none answers (run it here then).
+    """Run `apirctl argv` in the resident process; None when none answers in time (run it here then).
 
-    Blocks until the command ends and returns its exit status. Signals that reach this process
-    (Ctrl-C, `kill`, a terminal resize) are passed on to the command's process.
+    The resident process must take the command within `ANSWER_SECONDS` (connect, send, the pid of the
+    process that will run it); the command runs only after this side confirms ("go"), so a command
+    given up on here never also runs there. Then this blocks until the command ends and returns its
+    exit status; signals that reach this process (Ctrl-C, `kill`, a terminal resize) are passed on.
     """
+    import time
+
     try:
         cwd = os.getcwd()
     except OSError:  # a deleted working directory: nothing to pass on
         return None
+    deadline = time.monotonic() + ANSWER_SECONDS
     conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
+        conn.settimeout(ANSWER_SECONDS)
         conn.connect(socket_path())
         request = {
             "protocol": PROTOCOL,
@@ -41,13 +47,13 @@ def run(argv: list[str]) -> int | None:
             "umask": _current_umask(),
             "encoding": [getattr(stream, "encoding", None) or "utf-8" for stream in (sys.stdout, sys.stderr)],
         }
-        fds = struct.pack("3i", 0, 1, 2)
-        conn.sendmsg([frame(request)], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
-    except OSError:  # none listening, or a closed stdin/stdout that cannot be passed: run here
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        conn.sendall(frame(request))
+    except OSError:  # none listening, or too slow: run here
         conn.close()
         return None
     try:
-        return _await_exit(conn)
+        return _await_exit(conn, deadline)
     finally:
         conn.close()
 
@@ -58,8 +64,11 @@ def _current_umask() -> int:
     return mask
 
 
-def _await_exit(conn: Any) -> int | None:
-    """Read the command's pid, then its exit status; forward signals in between."""
+def _await_exit(conn: Any, deadline: float) -> int | None:
+    """Read the command's pid (by `deadline`; None if it does not come), confirm, then read its exit
+    status; forward signals in between."""
+    import time
+
     reader = Reader(conn)
     pid = 0
     pending: list[int] = []
@@ -83,26 +92,41 @@ def _await_exit(conn: Any) -> int | None:
         if pid:
             os.kill(pid, signal.SIGCONT)
 
+    saved = {}
     for name in FORWARDED:
         if hasattr(signal, name):
-            signal.signal(getattr(signal, name), forward)
+            saved[name] = signal.signal(getattr(signal, name), forward)
+    try:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        first = reader.next()
+        if first is not None and not first.get("stale") and "pid" in first:
+            conn.settimeout(None)
+            fds = struct.pack("3i", 0, 1, 2)  # the caller's stdio, only now: never held by a hung resident
+            conn.sendmsg([frame({"go": True})], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+            pid = int(first["pid"])
+    except OSError:  # no answer in time (a busy or stuck resident process), or a closed stdin/stdout
+        pass
+    if not pid:  # run the command here, unless the user asked to stop meanwhile
+        for name, handler in saved.items():
+            signal.signal(getattr(signal, name), handler)
+        if any(signal.Signals(signum).name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") for signum in pending):
+            print("apirctl: interrupted", file=sys.stderr)
+            os._exit(130)
+        return None
     if hasattr(signal, "SIGTSTP"):
         signal.signal(signal.SIGTSTP, suspend)
+    for signum in pending:
+        forward(signum, None)
+    pending.clear()
     while True:
-        message = reader.next()
+        try:
+            message = reader.next()
+        except OSError:
+            message = None
         if message is None:
             # The connection closed without a status: the command's process was killed.
-            if pid == 0:
-                return None
             print("apirctl: the command's process ended without an exit status", file=sys.stderr)
             return 1
-        if message.get("stale"):
-            return None
-        if "pid" in message:
-            pid = int(message["pid"])
-            for signum in pending:
-                forward(signum, None)
-            pending.clear()
         if "exit" in message:
             return int(message["exit"])
 
@@ -134,18 +158,21 @@ def status() -> dict[str, Any]:
     """Whether a resident process serves this apirctl, with its pid and socket."""
     path = socket_path()
     answer = _ask(path, {"protocol": PROTOCOL, "query": "status"})
-    return {"running": answer is not None, "socket": path, **(answer or {})}
+    if answer is None or "pid" not in answer:  # none, or a stale one (it exits on being asked)
+        return {"running": False, "socket": path}
+    return {"running": True, "socket": path, **answer}
 
 
 def stop(path: str | None = None) -> bool:
     """Ask the resident process (of this apirctl, or the one at `path`) to exit; True if one was running."""
-    return _ask(path or socket_path(), {"protocol": PROTOCOL, "query": "stop"}) is not None
+    answer = _ask(path or socket_path(), {"protocol": PROTOCOL, "query": "stop"})
+    return answer is not None and "pid" in answer
 
 
 def _ask(path: str, request: dict[str, Any]) -> dict[str, Any] | None:
     conn = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     try:
-        conn.settimeout(5)
+        conn.settimeout(ANSWER_SECONDS)
         conn.connect(path)
         conn.sendall(frame(request))
         return Reader(conn).next()

@@ -7,12 +7,21 @@ time (`_Spare`), or forks for it. The child becomes the caller's command (`_chil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import struct
 import sys
 
-from apirctl.resident import IDLE_SECONDS, PROTOCOL, Reader, frame, package_dir
+from apirctl.resident.shared import (
+    IDLE_SECONDS,
+    MAX_REQUEST,
+    PROTOCOL,
+    REQUEST_SECONDS,
+    Reader,
+    frame,
+    package_dir,
+)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -48,9 +57,10 @@ def _prewarm() -> PreparedApp:
     # client is made: 80 ms of the first `chat`); not the rare heavy ones (gguf with numpy, matplotlib).
     for module in ("pydantic", "httpx", "httpcore", "h11", "podman", "rich.console", "rich.progress",
                    "rich.table", "rich.markup", "rich.live", "rich.markdown", "apirctl.cli.output",
-                   "apirctl.config", "apirctl.serve", "apirctl.models", "apirctl.engine", "apirctl.libpod",
-                   "apirctl.image", "apirctl.llamacpp", "apirctl.transport", "apirctl.hostloopback",
-                   "apirctl.machine", "apirctl.chat", "apirctl.doctor", "apirctl.bench"):
+                   "apirctl.config", "apirctl.serve", "apirctl.models", "apirctl.podman.engine",
+                   "apirctl.podman.libpod", "apirctl.build.image", "apirctl.build.llamacpp",
+                   "apirctl.remoting.transport", "apirctl.remoting.hostloopback", "apirctl.machine",
+                   "apirctl.chat", "apirctl.diagnose.doctor", "apirctl.bench"):
         with contextlib.suppress(ImportError):  # an optional part: a command imports it itself if needed
             importlib.import_module(module)
     runner = root.PreparedApp()
@@ -73,16 +83,52 @@ def _warm_http() -> None:
         client.build_request("POST", "http://127.0.0.1:1/v1/chat/completions", json={})
 
 
-def _receive(conn: socket.socket) -> tuple[dict[str, Any], list[int]]:
-    import socket
+class _Pending:
+    """A connection whose request is still arriving: its bytes and descriptors so far, and the time
+    by which it must be whole (a caller that stalls is dropped then, and blocks nobody meanwhile)."""
 
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
-    message = Reader(conn, data).next()
-    if message is None:
-        for fd in fds:
-            os.close(fd)
-        raise ValueError("truncated request")
-    return message, list(fds)
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        self.conn, self.deadline = conn, deadline
+        self.data = b""
+        self.fds: list[int] = []
+
+    def read(self) -> dict[str, Any] | None | bool:
+        """Read what has arrived: the request when whole, None while incomplete, False when the
+        connection is to be dropped (closed, too large, not a request)."""
+        import socket
+
+        try:
+            data, fds, _flags, _addr = socket.recv_fds(self.conn, 1 << 16, 3)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            return False
+        self.fds.extend(fds)
+        if not data:
+            return False
+        self.data += data
+        if len(self.data) < 4:
+            return None
+        (size,) = struct.unpack("!I", self.data[:4])
+        if size > MAX_REQUEST:
+            return False
+        if len(self.data) < 4 + size:
+            return None
+        try:
+            message = Reader(None, self.data).next()
+        except (ValueError, EOFError, TypeError):
+            return False
+        return message if message is not None else False
+
+    def drop(self) -> None:
+        self.close_fds()
+        self.conn.close()
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
 
 
 def _peer_is_us(conn: socket.socket) -> bool:
@@ -133,7 +179,14 @@ def _bind(path: str) -> socket.socket:
 
 
 def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
-    """The resident process: warm up, then fork a child for each command until idle or stale."""
+    """The resident process: warm up, then fork a child for each command until idle or stale.
+
+    Connections are served concurrently (one poll loop, no threads: the process forks): a caller
+    that connects and stalls is dropped after `REQUEST_SECONDS` and never delays another.
+    """
+    import selectors
+    import time
+
     lock = _claim(path)
     if lock is None:
         return
@@ -153,59 +206,109 @@ def serve_forever(path: str, idle: float = IDLE_SECONDS) -> None:
 
     signal.signal(signal.SIGCHLD, reap)
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(0))
-    listener.settimeout(idle)
-    served = from_spare = 0
-    spare: _Spare | None = _Spare(listener, runner)
+    listener.setblocking(False)
+    poll = selectors.DefaultSelector()
+    poll.register(listener, selectors.EVENT_READ)
+    pending: dict[int, _Pending] = {}
+    stats = {"served": 0, "from_spare": 0}
+    spare: _Spare | None = _Spare(listener, runner, pending)
+    last_active = time.monotonic()
     try:
         while True:
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                return
-            with conn:
-                conn.settimeout(None)
-                if not _peer_is_us(conn):
+            now = time.monotonic()
+            for fd in [k for k, p in pending.items() if p.deadline <= now]:  # stalled callers
+                poll.unregister(pending[fd].conn)
+                pending.pop(fd).drop()
+            wait = min([p.deadline for p in pending.values()] + [last_active + idle]) - now
+            if wait <= 0 and not pending:
+                return  # idle
+            for key, _events in poll.select(max(0.0, wait)):
+                if key.fileobj is listener:
+                    _accept(listener, poll, pending, time.monotonic() + REQUEST_SECONDS)
                     continue
-                try:
-                    request, fds = _receive(conn)
-                except (OSError, ValueError):
+                waiting = pending[key.fd]
+                request = waiting.read()
+                if request is None:
                     continue
-                if request.get("protocol") != PROTOCOL or _fingerprint() != fingerprint:
-                    for fd in fds:
-                        os.close(fd)
-                    _reply(conn, {"stale": True})
+                poll.unregister(waiting.conn)
+                del pending[key.fd]
+                if request is False:
+                    waiting.drop()
+                    continue
+                last_active = time.monotonic()
+                assert isinstance(request, dict)
+                outcome, spare = _dispatch(waiting, request, listener, runner, spare, fingerprint, idle, stats,
+                                           pending)
+                if outcome == "exit":
                     return
-                query = request.get("query")
-                if query:
-                    _reply(conn, {"pid": os.getpid(), "idle_seconds": idle, "served": served,
-                                  "from_spare": from_spare})
-                    if query == "stop":
-                        return
-                    continue
-                if len(fds) != 3:
-                    for fd in fds:
-                        os.close(fd)
-                    continue
-                served += 1
-                if spare is not None and spare.ready():
-                    spare = spare.take(conn, request, fds)  # None once taken: a new one follows below
-                    from_spare += spare is not None
-                if spare is None or not spare.taken:
-                    child = os.fork()  # no spare ready: fork for this command alone
-                    if child == 0:
-                        listener.close()
-                        _child(conn, request, fds, runner)  # never returns
-                for fd in fds:
-                    os.close(fd)
-            if spare is None or spare.taken:  # after `conn` is closed here: a spare must not hold it
-                spare = _Spare(listener, runner)
     finally:
+        for waiting in pending.values():
+            waiting.drop()
         listener.close()
         try:
             if os.stat(path).st_ino == identity_inode:  # never remove a successor's socket
                 os.unlink(path)
         except OSError:
             pass
+
+
+def _accept(listener: socket.socket, poll: Any, pending: dict[int, _Pending], deadline: float) -> None:
+    import selectors
+
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:  # out of descriptors, for one: the caller runs its command itself
+            return
+        if not _peer_is_us(conn):
+            conn.close()
+            continue
+        conn.setblocking(False)
+        pending[conn.fileno()] = _Pending(conn, deadline)
+        poll.register(conn, selectors.EVENT_READ)
+
+
+def _dispatch(waiting: _Pending, request: dict[str, Any], listener: socket.socket, runner: PreparedApp,
+              spare: _Spare | None, fingerprint: tuple[Any, ...], idle: float,
+              stats: dict[str, int], pending: dict[int, _Pending]) -> tuple[str, _Spare | None]:
+    """Answer a query or hand a command to a child; ("exit", ...) when this process should end."""
+    conn = waiting.conn
+    conn.setblocking(True)
+    conn.settimeout(REQUEST_SECONDS)  # a reply to a caller that stopped reading must not block us
+    with conn:
+        if request.get("protocol") != PROTOCOL or _fingerprint() != fingerprint:
+            waiting.close_fds()
+            _reply(conn, {"stale": True})
+            return "exit", spare
+        query = request.get("query")
+        if query:
+            waiting.close_fds()
+            _reply(conn, {"pid": os.getpid(), "idle_seconds": idle, **stats})
+            return ("exit" if query == "stop" else "ok"), spare
+        waiting.close_fds()  # the caller's descriptors come with its "go", never with the request
+        conn.settimeout(None)
+        stats["served"] += 1
+        if spare is not None and spare.ready():
+            spare = spare.take(conn, request)  # None once taken: a new one follows below
+            stats["from_spare"] += spare is not None
+        if spare is None or not spare.taken:
+            child = os.fork()  # no spare ready: fork for this command alone
+            if child == 0:
+                _close_inherited(listener, pending)
+                _child(conn, request, runner)  # never returns
+    if spare is None or spare.taken:  # after `conn` is closed here: a spare must not hold it
+        spare = _Spare(listener, runner, pending)
+    return "ok", spare
+
+
+def _close_inherited(listener: socket.socket, pending: dict[int, _Pending]) -> None:
+    """In a fresh fork: drop the listener and the other callers' connections (a copy held here would
+    keep a stalled caller's connection open after the resident process drops it)."""
+    listener.close()
+    for waiting in pending.values():
+        waiting.conn.close()
 
 
 class _Spare:
@@ -218,13 +321,13 @@ class _Spare:
     caller's descriptors, or forks directly while the spare is not ready yet.
     """
 
-    def __init__(self, listener: socket.socket, runner: PreparedApp) -> None:
+    def __init__(self, listener: socket.socket, runner: PreparedApp, pending: dict[int, _Pending]) -> None:
         import socket
 
         parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.pid = os.fork()
         if self.pid == 0:
-            listener.close()
+            _close_inherited(listener, pending)
             parent_end.close()
             _spare_main(child_end, runner)  # never returns
         child_end.close()
@@ -242,12 +345,12 @@ class _Spare:
                 self.sock.setblocking(True)
         return self.is_ready
 
-    def take(self, conn: socket.socket, request: dict[str, Any], fds: list[int]) -> _Spare | None:
+    def take(self, conn: socket.socket, request: dict[str, Any]) -> _Spare | None:
         """Hand it the command; returns itself (taken) or None when it is gone (fork then)."""
         import socket
 
         try:
-            socket.send_fds(self.sock, [frame(request)], [conn.fileno(), *fds])
+            socket.send_fds(self.sock, [frame(request)], [conn.fileno()])
         except OSError:
             self.sock.close()
             return None
@@ -264,14 +367,14 @@ def _spare_main(sock: socket.socket, runner: PreparedApp) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _exercise(runner)
         sock.sendall(b"R")
-        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
+        data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 1)
         request = Reader(sock, data).next()
     except BaseException:  # noqa: BLE001 - a spare that cannot serve just goes away
         os._exit(0)
-    if request is None or len(fds) != 4:
+    if request is None or len(fds) != 1:
         os._exit(0)  # the resident process ended
     sock.close()
-    _child(socket.socket(fileno=fds[0]), request, fds[1:], runner)
+    _child(socket.socket(fileno=fds[0]), request, runner)
 
 
 def _exercise(runner: PreparedApp) -> None:
@@ -299,8 +402,13 @@ _SAMPLE_COMMANDS = (
 )
 
 
-def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner: PreparedApp) -> None:
-    """Become the caller's command: its stdio, environment, directory and arguments; then run it."""
+def _child(conn: socket.socket, request: dict[str, Any], runner: PreparedApp) -> None:
+    """Become the caller's command: its stdio, environment, directory and arguments; then run it.
+
+    The pid goes out first; the caller answers with its "go" and its stdin, stdout and stderr. A caller
+    that gave up meanwhile sends neither: its descriptors are never held here (a hung resident process
+    would otherwise keep the caller's pipes open), and the command runs only where the caller ran it.
+    """
     import contextlib
 
     code = 1
@@ -308,6 +416,10 @@ def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _interrupt)  # before the pid goes out: the caller forwards from then on
+        _reply(conn, {"pid": os.getpid()})
+        fds = _confirmed(conn)
+        if fds is None:
+            os._exit(0)  # the caller gave up waiting and runs the command itself
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
             os.close(fd)
@@ -318,7 +430,7 @@ def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner:
         _reopen_stdio(request.get("encoding") or ["utf-8", "utf-8"])
         argv = list(request["argv"])
         sys.argv = ["apirctl", *argv]
-        _reply(conn, {"pid": os.getpid()})
+        _watch_caller(conn)
         code = runner(argv)
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
@@ -330,11 +442,49 @@ def _child(conn: socket.socket, request: dict[str, Any], fds: list[int], runner:
         traceback.print_exc()
         code = 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the caller hangs up once it has the status
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):  # a closed pipe: the status still goes back
                 stream.flush()
         _reply(conn, {"exit": code})
         os._exit(code)
+
+
+def _confirmed(conn: socket.socket) -> list[int] | None:
+    """The caller's "go" with its three descriptors: it still wants this process to run the command
+    (it runs the command itself when the pid came too late, and then never sends it). None otherwise."""
+    import socket
+
+    conn.settimeout(REQUEST_SECONDS)
+    try:
+        data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
+        message = Reader(conn, data).next()
+    except (OSError, ValueError, EOFError):
+        return None
+    finally:
+        conn.settimeout(None)
+    if not (message and message.get("go")) or len(fds) != 3:
+        for fd in fds:
+            os.close(fd)
+        return None
+    return list(fds)
+
+
+def _watch_caller(conn: socket.socket) -> None:
+    """Stop this command when its caller is gone (SIGKILLed, its terminal closed): the caller sends
+    nothing more, so the connection's end means it died. The command gets SIGTERM, the same clean-up
+    as Ctrl-C (a chat stops generating, a serve removes what it created)."""
+    import threading
+
+    def watch() -> None:
+        try:
+            while conn.recv(1):
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="caller-watch", daemon=True).start()
 
 
 def _interrupt(signum: int, _frame: object) -> None:

@@ -17,7 +17,7 @@ HERE = Path(__file__).resolve().parent
 @pytest.fixture
 def virtgpu_src() -> Path:
     """`ggml/src/ggml-virtgpu` of the pinned llama.cpp source (fetched on first use)."""
-    from apirctl import llamacpp
+    from apirctl.build import llamacpp
 
     return llamacpp.source_dir() / "ggml" / "src" / "ggml-virtgpu"
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from apirctl.apir import probes, selftest, table
 from apirctl.apir.session import BackendProcess
 from apirctl.errors import ApirctlError
+from apirctl.macos import bundle
 
 pytestmark = pytest.mark.integration
 Libs = tuple[Path, Path, str]
@@ -56,26 +57,27 @@ def test_wrong_registration_symbol_is_an_init_failure_not_a_crash(backend_libs: 
 
 def test_missing_library_is_a_clear_error(backend_libs: Libs, tmp_path: Path) -> None:
     with pytest.raises(ApirctlError, match="does not exist"):
-        selftest.run(tmp_path / "nope.so", backend_libs[1], backend_libs[2])
+        bundle.backend_libraries(tmp_path / "nope.so", backend_libs[1], backend_libs[2])
 
 
 def test_defaults_come_from_the_host_build(backend_libs: Libs) -> None:
-    lib, ggml, reg = selftest.default_libraries()
-    assert (lib, ggml, reg) == backend_libs
+    lib, ggml, reg = bundle.backend_libraries()
+    assert (lib, ggml, reg) == (backend_libs[0].resolve(), backend_libs[1].resolve(), backend_libs[2])
 
 
 def test_on_macos_the_active_bundle_is_the_default(backend_libs: Libs, monkeypatch: pytest.MonkeyPatch,
                                                    tmp_path: Path) -> None:
-    # Only the platform is faked: the "bundle" holds this machine's real libraries.
-    from apirctl import bundle
-
+    # Only the platform is faked: the "bundle" names the real libraries' files.
     lib, ggml, reg = backend_libs
     fake = bundle.Bundle(version="t1", path=tmp_path, source="test", installed_at="now",
                          backend_library=lib.name, ggml_library=ggml.name, ggml_reg=reg)
-    (tmp_path / "bin").symlink_to(lib.parent)
-    monkeypatch.setattr(sys, "platform", "darwin")
+    (tmp_path / "bin").mkdir()
+    for name in (lib.name, ggml.name):  # stand-ins: only which files are chosen is checked
+        (tmp_path / "bin" / name).write_bytes(b"")
+    monkeypatch.setenv("APIRCTL_PLATFORM", "macos")
     monkeypatch.setattr(bundle, "active", lambda: fake)
-    assert selftest.default_libraries() == (tmp_path / "bin" / lib.name, tmp_path / "bin" / ggml.name, reg)
+    bin_dir = (tmp_path / "bin").resolve()
+    assert bundle.backend_libraries() == (bin_dir / lib.name, bin_dir / ggml.name, reg)
 
 
 def test_library_prints_do_not_corrupt_the_framing(backend_libs: Libs) -> None:

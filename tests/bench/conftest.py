@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_helpers import Server, free_port, wait_healthy
+
+from tests.support.bench_helpers import Server, free_port, wait_healthy
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_helpers import REPO, Server, free_port, run_cli
+
+from tests.support.bench_helpers import REPO, Server, free_port, run_cli
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:

@@ -242,7 +242,7 @@ def test_prompt_grows_with_the_requested_length() -> None:
 
 def test_remoting_keeps_one_gpu_layers_flag() -> None:
     """llama-bench runs one test per value of a repeated flag, so the plan's copy must go."""
-    from apirctl import transport
+    from apirctl.remoting import transport
 
     plan = transport.rpc_plan(50052, 999)
     kept = modes.without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bench_helpers import free_port, run_cli
-from test_bench_cli import one_line_error
 
 from apirctl.bench import modes
+from tests.bench.test_bench_cli import one_line_error
+from tests.support.bench_helpers import free_port, run_cli
 
 
 def test_client_endpoint_dials_loopback_for_a_wildcard_bind() -> None:

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from chat_helpers import LlamaServer, start_llama_server, stop, wait_ready
+
+from tests.support.chat_helpers import LlamaServer, start_llama_server, stop, wait_ready
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import threading
 
 import httpx
 import pytest
-from chat_helpers import LlamaServer, free_port, run_chat
+
+from tests.support.chat_helpers import LlamaServer, free_port, run_chat
 
 pytestmark = pytest.mark.integration
 

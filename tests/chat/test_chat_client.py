@@ -8,12 +8,12 @@ from typing import Any
 
 import httpx
 import pytest
-from chat_helpers import LlamaServer, start_llama_server, stop, wait_ready
 from hypothesis import given
 from hypothesis import strategies as st
 
-from apirctl import chat
+from apirctl.chat import client as chat
 from apirctl.errors import ApirctlError
+from tests.support.chat_helpers import LlamaServer, start_llama_server, stop, wait_ready
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-'''How the chat prompt joins what is typed or pasted into messages (`apirctl.chatinput.Composer`).'''
+'''How the chat prompt joins what is typed or pasted into messages (`apirctl.chat.composer.Composer`).'''
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from apirctl.chatinput import CONTINUATION, PROMPT, Composer, Entry
+from apirctl.chat.composer import CONTINUATION, PROMPT, Composer, Entry
 
 
 def feed_all(composer: Composer, *inputs: str) -> list[Entry]:

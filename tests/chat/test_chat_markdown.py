@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pexpect
 import pytest
-from chat_helpers import Tmux, apirctl_command, resident_served, run_chat, start_resident
 
+from tests.support.chat_helpers import Tmux, apirctl_command, resident_served, run_chat, start_resident
 from tests.support.openai_fake import FakeChatServer
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def test_answer_streams_plain_then_is_rendered(
 ) -> None:
     served = start_resident() if mode == "resident" else None
     server = scripted(ANSWER, hold_after=6)  # the stream stops after "Use **twice** and `int`:"
-    pane = chat_pane(tmp_path, server.url, env={"APIRCTL_RESIDENT": "0"} if served is None else {})
+    pane = chat_pane(tmp_path, server.url, env={"APIRCTL_RESIDENT": "0" if served is None else "1"})
     try:
         pane.line("How do I double a number?")
         assert server.wait_held()

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chat_helpers import (
+
+from tests.support.chat_helpers import (
     PROMPT_LINE,
     LlamaServer,
     Tmux,
@@ -42,6 +43,7 @@ def terminal(request: pytest.FixtureRequest, tmp_path: Path, llama_server: Llama
     if request.param == "own-process":
         env["APIRCTL_RESIDENT"] = "0"
     else:
+        env["APIRCTL_RESIDENT"] = "1"
         served = start_resident()
     command = [*apirctl_command(), "chat", "--url", llama_server.url, "--temperature", "0",
                "--max-tokens", ANSWER_TOKENS]  # fmt: skip

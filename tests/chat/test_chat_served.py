@@ -10,7 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from chat_helpers import apirctl_command, free_port, run_chat
+
+from tests.support.chat_helpers import apirctl_command, free_port, run_chat
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def served(llama_image: str, demo_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A demo-model server (transport none) with a unique name, and the Podman API it runs under."""
-    from apirctl import engine
+    from apirctl.podman import engine
     from tests.conftest import SHARED_CACHE
 
     saved = {key: os.environ.get(key) for key in ("APIRCTL_HOME", "CONTAINER_HOST", "APIRCTL_CACHE_DIR")}

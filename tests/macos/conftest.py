@@ -2,7 +2,7 @@
 files from a macOS wheel arranged as Homebrew's krunkit -> libkrun -> libvirglrenderer chain, and
 upstream-shaped API-remoting releases.
 
-What the fakes model (and what not) is in tests/fakes/README.md and docs/macos.md.
+What the fakes model (and what not) is in tests/support/fakes/README.md and docs/macos.md.
 """
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ import subprocess
 import sys
 import tarfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from apirctl.podman import containers
+from tests.support.podman_double import MemoryPodman
 
 #: A macOS arm64 wheel whose vendored dylibs are real, signed Mach-O files linked by @loader_path.
 WHEEL = ("pillow", "13.0.0")
@@ -78,9 +81,11 @@ def references(path: Path) -> list[str]:
 
 
 class FakeMac:
-    """The fakes' shared state: machines, processes, containers, signatures, failures, call log."""
+    """The fakes' shared state: machines, processes, signatures, failures, call log; `podman` is the
+    machine's Podman API (an in-memory double of the seam: no Podman service runs here for it)."""
 
     def __init__(self, root: Path) -> None:
+        self.podman = MemoryPodman()
         self.root = root
         self.bin = root / "bin"
         self.state_file = root / "state.json"
@@ -122,20 +127,15 @@ class FakeMac:
             s.setdefault("fail", {})[key] = spec
         self.update(change)
 
-    def add_container(self, name: str, labels: dict[str, str]) -> None:
-        def change(s: dict[str, Any]) -> None:
-            s.setdefault("containers", []).append({"Id": f"{abs(hash(name)):012x}", "Names": [name],
-                                                   "Labels": labels, "State": "running", "Image": IMAGE})
-        self.update(change)
-
     def krunkit(self) -> dict[str, Any] | None:
         procs = [p for p in self.state().get("processes", {}).values() if p["command"] == "krunkit"]
         return procs[0] if procs else None
 
 
 @pytest.fixture
-def fake_mac(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeMac:
-    """Fake `podman`, `codesign` and `lsof` first on PATH, and apirctl told it runs on macOS."""
+def fake_mac(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeMac]:
+    """Fake `podman`, `codesign` and `lsof` first on PATH, the machine's Podman API as an in-memory
+    double, and apirctl told it runs on macOS."""
     from tests.support import fake_tools
 
     fake = FakeMac(tmp_path / "fake-mac")
@@ -144,8 +144,9 @@ def fake_mac(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeMac:
     monkeypatch.setenv("APIRCTL_PLATFORM", "macos")
     for var in ("CONTAINERS_MACHINE_PROVIDER", "CONTAINERS_HELPER_BINARY_DIR", "DYLD_LIBRARY_PATH"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr("apirctl.machine.macos.KRUNKIT_WAIT_S", 3.0)
-    return fake
+    monkeypatch.setattr("apirctl.macos.machine.KRUNKIT_WAIT_S", 3.0)
+    with containers.use(fake.podman):
+        yield fake
 
 
 class Homebrew:
@@ -237,7 +238,7 @@ def release(tmp_path: Path, macho_files: Path) -> Path:
 @pytest.fixture
 def installed(release: Path) -> Any:
     """The release installed and active."""
-    from apirctl import bundle
+    from apirctl.macos import bundle
 
     b, _ = bundle.import_from(str(release))
     return b

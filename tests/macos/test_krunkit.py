@@ -1,5 +1,5 @@
 """The krunkit patch on real arm64 Mach-O files (from a macOS wheel) arranged as Homebrew's
-krunkit -> libkrun -> libvirglrenderer chain. `codesign` is the fake from tests/fakes."""
+krunkit -> libkrun -> libvirglrenderer chain. `codesign` is the fake from tests/support/fakes."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from apirctl import krunkit
 from apirctl.errors import ApirctlError
+from apirctl.macos import krunkit
 
 from .conftest import CHAIN, FakeMac, Homebrew, references, set_reference
 

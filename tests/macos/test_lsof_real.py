@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from apirctl.machine import macos
+from apirctl.macos import krunkit
 
 
 @pytest.fixture
@@ -39,10 +39,10 @@ def fake_krunkit(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path
 def test_real_lsof_sees_the_mapped_virglrenderer(fake_krunkit: tuple[subprocess.Popen[bytes], Path]) -> None:
     proc, lib = fake_krunkit
     deadline = time.monotonic() + 20
-    pid, virgl = macos.mapped_virglrenderers()
+    pid, virgl = krunkit.mapped_virglrenderers()
     while str(lib) not in virgl and time.monotonic() < deadline:
         time.sleep(0.2)
-        pid, virgl = macos.mapped_virglrenderers()
+        pid, virgl = krunkit.mapped_virglrenderers()
     assert pid == proc.pid
     assert virgl == [str(lib)]
 
@@ -50,4 +50,4 @@ def test_real_lsof_sees_the_mapped_virglrenderer(fake_krunkit: tuple[subprocess.
 def test_no_krunkit_no_files(tmp_path: Path) -> None:
     if shutil.which("lsof") is None:
         pytest.skip("lsof is not installed")
-    assert macos.krunkit_files() == (None, [])
+    assert krunkit.process_files() == (None, [])

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from apirctl import krunkit
 from apirctl.errors import ApirctlError
+from apirctl.macos import krunkit
 
 from .conftest import references
 

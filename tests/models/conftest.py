@@ -8,7 +8,8 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from registry_server import Handler, Registry, write_gguf
+
+from tests.support.model_sources import Handler, Registry, write_gguf
 
 
 @pytest.fixture(scope="session")
@@ -48,8 +49,10 @@ def registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[Registry]:
 
 @pytest.fixture(autouse=True)
 def no_foreign_stores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Discovery looks at empty AI Lab / RamaLama folders unless a test fills them."""
+    """Discovery looks at empty AI Lab / RamaLama / Ollama folders unless a test fills them."""
     monkeypatch.setenv("APIRCTL_AILAB_DIR", str(tmp_path / "ailab-models"))
     monkeypatch.setenv("APIRCTL_RAMALAMA_STORE", str(tmp_path / "ramalama"))
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama-models"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no login, no cache of the developer's
+    for name in ("HF_TOKEN", "HF_ENDPOINT", "HF_HUB_CACHE", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)

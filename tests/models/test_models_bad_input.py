@@ -8,24 +8,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from registry_server import Registry, store_files
 
 from apirctl import models
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs
+from tests.support.model_sources import Registry, store_files
 
 
 @pytest.fixture
 def previous(registry: Registry, gguf_factory: Callable[..., bytes]) -> list[str]:
     """A store that already holds one model: failures must leave exactly this."""
     registry.add_hf("org/kept", "kept.gguf", gguf_factory("kept"))
-    models.resolve("hf://org/kept/kept.gguf", quiet=True)
+    models.resolve("hf://org/kept/kept.gguf")
     return store_files()
 
 
 def fails(ref: str, match: str) -> ApirctlError:
     with pytest.raises(ApirctlError, match=match) as info:
-        models.resolve(ref, quiet=True)
+        models.resolve(ref)
     assert "\n" not in info.value.message
     return info.value
 
@@ -135,7 +135,7 @@ def tiny_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 
 def test_disk_full(registry: Registry, gguf_factory: Callable[..., bytes], tiny_disk: Path) -> None:
     small = registry.add_hf("org/small", "small.gguf", gguf_factory("small", payload_kb=16))
-    models.resolve("hf://org/small/small.gguf", quiet=True)
+    models.resolve("hf://org/small/small.gguf")
     before = store_files()
     assert f"blobs/sha256-{small}.gguf" in before
     registry.add_hf("org/big", "big.gguf", gguf_factory("big", payload_kb=1024))

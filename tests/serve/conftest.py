@@ -30,7 +30,7 @@ def port() -> int:
 
 
 def container_exists(name: str) -> bool:
-    from apirctl import engine
+    from apirctl.podman import engine
 
     return bool(engine.client().containers.exists(name))
 
@@ -40,7 +40,7 @@ def name(podman: str) -> Iterator[str]:
     """A unique server name; whatever test made it, the container is removed afterwards."""
     from podman.errors import NotFound
 
-    from apirctl import engine
+    from apirctl.podman import engine
 
     value = f"apirctl-test-{uuid.uuid4().hex[:8]}"
     yield value

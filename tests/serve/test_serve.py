@@ -25,7 +25,7 @@ def _one_line_error(stderr: str) -> str:
 
 
 def test_serve_answers_and_ps_logs_stop(served: dict[str, object], name: str, port: int) -> None:
-    from apirctl import engine
+    from apirctl.podman import engine
 
     url = f"http://127.0.0.1:{port}/v1"
     assert served["name"] == name and served["url"] == url and served["health"] == "ok"
@@ -83,13 +83,13 @@ def test_bad_llama_server_flag_shows_log_tail_and_cleans_up(
     assert not container_exists(name)
 
 
-def test_corrupt_gguf_shows_log_tail(podman: str, llama_image: str, tmp_path: Path, name: str, port: int) -> None:
+def test_corrupt_gguf_is_refused_before_any_container(podman: str, llama_image: str, tmp_path: Path, name: str,
+                                                      port: int) -> None:
     model = tmp_path / "broken.gguf"
-    model.write_bytes(b"GGUF" + os.urandom(4096))  # right magic, garbage after it: llama.cpp must refuse
+    model.write_bytes(b"GGUF" + os.urandom(4096))  # right magic, garbage after it: the header check refuses
     done = apirctl("serve", str(model), "--transport", "none", "--port", str(port), "--name", name)
     assert done.returncode == 1
-    assert "failed to load model" in done.stderr
-    _one_line_error(done.stderr)
+    assert "GGUF" in _one_line_error(done.stderr)
     assert not container_exists(name)
 
 
@@ -170,14 +170,15 @@ def test_foreground_ctrl_c_stops_and_removes(
 
 def test_auto_transport_says_what_it_chose(podman: str, llama_image: str, demo_model: Path, name: str,
                                            port: int) -> None:
-    from apirctl import transport
+    from apirctl.remoting import transport
 
     expected = transport.plan("auto")
     done = apirctl("serve", str(demo_model), "--port", str(port), "--name", name, "--json")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["transport"] == expected.transport
+    assert f"notice: {expected.notice}" in done.stderr  # auto always says what it chose and why
     if expected.transport == "none":
-        assert "notice: remoting is not ready" in done.stderr
+        assert "remoting is not ready" in done.stderr or "backend is ready, but" in done.stderr
     assert apirctl("stop", name).returncode == 0
 
 
@@ -185,26 +186,30 @@ def test_upstream_extension_server_is_listed_and_blocks_a_second_virtgpu(
     podman: str, llama_image: str, demo_model: Path, name: str, port: int
 ) -> None:
     """A container labelled the way the Podman Desktop extension labels its API-remoting server."""
-    from apirctl import engine, serve, transport
+    from apirctl import serve
     from apirctl.errors import ApirctlError
+    from apirctl.podman import containers
+    from apirctl.remoting import transport
+    from apirctl.serve import starting
 
     url = f"http://127.0.0.1:{port}/v1"
-    container = engine.create(engine.ContainerSpec(
+    api = containers.connect()
+    container_id = api.create(containers.ContainerSpec(
         image=llama_image, name=name,
         command=["--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8000"],
-        mounts=[engine.BindMount(source=demo_model, target="/models/m.gguf")],
+        mounts=[containers.BindMount(source=demo_model, target="/models/m.gguf")],
         ports={8000: ("127.0.0.1", port)},
         labels={"llama-cpp.apir": "true", "api": url, "ai-lab-inference-server": json.dumps([str(demo_model.parent)]),
                 "gpu": "llama.cpp API Remoting", "trackingId": "t"},
     ))
-    container.start()
+    api.start(container_id, name)
     listed = next(s for s in serve.list_servers() if s.name == name)
     assert (listed.managed, listed.transport, listed.url, listed.port) == (False, "virtgpu", url, port)
-    assert serve.find_server(name).id == container.id
+    assert serve.find_server(name).id == container_id
     with pytest.raises(ApirctlError, match=f"already running: {name}") as err:
-        serve._one_virtgpu_at_a_time(transport.virtgpu_plan(999))
+        starting._one_virtgpu_at_a_time(transport.virtgpu_plan(999))
     assert err.value.hint and f"apirctl stop {name}" in err.value.hint
-    serve._one_virtgpu_at_a_time(transport.Plan(transport="none", requested="none"))  # other transports may run
+    starting._one_virtgpu_at_a_time(transport.Plan(transport="none", requested="none"))  # other transports may run
 
 
 def test_api_key_protects_the_api_but_not_health(

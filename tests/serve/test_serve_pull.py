@@ -30,7 +30,7 @@ REPOSITORY = "apirctl/llama-server"
 @pytest.fixture(scope="module")
 def registry(llama_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OciRegistry]:
     """apirctl's image plus a marker layer, exported as an OCI layout and served on 127.0.0.1."""
-    from apirctl import engine
+    from apirctl.podman import engine
 
     work = tmp_path_factory.mktemp("oci-registry")
     seed = f"localhost/apirctl-test/registry-seed:{uuid.uuid4().hex[:12]}"
@@ -56,7 +56,7 @@ def registry(llama_image: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def own_service(registry: OciRegistry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """apirctl's own Podman service in this test's home, started with CONTAINERS_REGISTRIES_CONF
     naming a registries.conf that marks the test registry insecure (plain HTTP)."""
-    from apirctl import engine
+    from apirctl.podman import engine
 
     conf = tmp_path / "registries.conf"
     conf.write_text(insecure_registries_conf(registry.url))
@@ -73,7 +73,7 @@ def cleanup() -> Iterator[list[str]]:
     """Names of containers and images to remove after the test, whatever happened."""
     from podman.errors import APIError
 
-    from apirctl import engine
+    from apirctl.podman import engine
 
     made: list[str] = []
     yield made
@@ -81,14 +81,14 @@ def cleanup() -> Iterator[list[str]]:
         with contextlib.suppress(APIError):
             if engine.client().containers.exists(item):
                 engine.client().containers.get(item).remove(force=True)
-            elif engine.image_exists(item):
+            elif engine.client().images.exists(item):
                 engine.client().images.remove(item, force=True)
 
 
 def _exists(kind: str, name: str) -> bool:
-    from apirctl import engine
+    from apirctl.podman import containers
 
-    return engine.image_exists(name) if kind == "image" else bool(engine.client().containers.exists(name))
+    return containers.connect().exists("images" if kind == "image" else "containers", name)
 
 
 def _one_line_error(stderr: str) -> str:
@@ -117,7 +117,7 @@ def test_serve_pulls_a_remote_image_with_progress(registry: OciRegistry, own_ser
     assert f"{name} serves" in done.stdout
 
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()["status"] == "ok"
-    from apirctl import engine
+    from apirctl.podman import engine
 
     container = engine.client().containers.get(name)
     assert container.attrs["ImageName"] == ref
@@ -156,7 +156,7 @@ def test_plain_http_registry_needs_registries_conf_and_our_service_rereads_it(
         registry: OciRegistry, own_service: Path, demo_model: Path, cleanup: list[str]) -> None:
     """Without an `insecure = true` entry the error says how to add one; once the user adds it,
     apirctl's own service (which read registries.conf when it started) is restarted and serve works."""
-    from apirctl import engine
+    from apirctl.podman import engine
 
     ref = registry.tag(f"conf-{uuid.uuid4().hex[:8]}")
     name, port = f"apirctl-test-{uuid.uuid4().hex[:8]}", free_port()

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from apirctl import serve, transport
+from apirctl import serve
 from apirctl.cli.serve import _uptime
 from apirctl.errors import ApirctlError
+from apirctl.remoting import transport
+from apirctl.serve import inputs, starting
 
 
 @pytest.mark.parametrize(("host_ip", "url"), [
@@ -21,7 +23,7 @@ from apirctl.errors import ApirctlError
     ("192.168.1.5", "http://192.168.1.5:1234/v1"),
 ])
 def test_openai_base_url(host_ip: str, url: str) -> None:
-    assert serve._url(host_ip, 1234) == url
+    assert inputs.server_url(host_ip, 1234) == url
 
 
 @pytest.mark.parametrize("port", [0, 80, 1024, 65536])
@@ -44,19 +46,22 @@ def test_free_port_passes() -> None:
 
 def test_labels_for_podman_ai_lab_and_ours(tmp_path: Path) -> None:
     opts = serve.ServeOptions(model="m", port=4321)
-    labels = serve._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
+    labels = starting._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
     assert labels["api"] == "http://127.0.0.1:4321/v1"
     assert json.loads(labels["ai-lab-inference-server"]) == [str(tmp_path)]
     assert (labels["apirctl.model"], labels["apirctl.transport"], labels["llama-cpp.apir"]) == ("demo", "none", "false")
-    again = serve._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
+    again = starting._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
     assert labels["trackingId"] != again["trackingId"]  # one per server, as the extension makes them
-    virtgpu = serve._labels(opts, transport.virtgpu_plan(999), tmp_path / "m.gguf", "demo")
+    virtgpu = starting._labels(opts, transport.virtgpu_plan(999), tmp_path / "m.gguf", "demo")
     assert virtgpu["llama-cpp.apir"] == "true" and virtgpu["gpu"] == "llama.cpp API Remoting"
+    assert labels["apirctl.model-kind"] == "chat"
+    embedding = starting._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo", "embedding")
+    assert embedding["apirctl.model-kind"] == "embedding"
 
 
 def test_llama_server_command_line() -> None:
     opts = serve.ServeOptions(model="m", ctx_size=2048, threads=3, api_key="k")
-    command = serve._llama_command(opts, "file.gguf", "demo")
+    command = starting._llama_command(opts, "file.gguf", "demo")
     assert command[:4] == ["--model", "/models/file.gguf", "--host", "0.0.0.0"]
     assert command[command.index("--port") + 1] == "8000" and command[command.index("--ctx-size") + 1] == "2048"
     assert command[-4:] == ["--threads", "3", "--api-key", "k"]

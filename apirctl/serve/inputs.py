@@ -1,0 +1,242 @@
+"""What `apirctl serve` is asked for: the options (flags over settings), the port (checked before
+anything is created), the model file to mount."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from apirctl import config, models
+from apirctl.errors import ApirctlError
+from apirctl.serve.servers import list_servers
+
+if TYPE_CHECKING:
+    pass
+
+
+class ServeOptions(BaseModel):
+    """Everything `apirctl serve` takes; defaults come from `apirctl.config`."""
+
+    model: str
+    port: int = 1234
+    port_given: bool = False  # --port: a busy one is an error; a busy default (or setting) moves to a free one
+    name: str | None = None
+    transport: str = "auto"
+    image: str | None = None
+    ctx_size: int = 4096
+    ngl: int = 999
+    threads: int | None = None
+    api_key: str | None = None
+    host_ip: str = "127.0.0.1"
+    keep: bool = False
+    timeout: float = 300.0
+    rpc_port: int = 50052
+    rpc_backends: list[str] = Field(default_factory=list)  # explicit backends; implies transport rpc
+    gpu_devices: list[str] = Field(default_factory=list)  # CDI names or /dev paths; implies transport gpu
+    via_ssh: str | None = None  # USER@HOST[:PORT] that tunnels every backend
+    insecure_network: bool = False  # allow plain non-loopback backends
+    ssh_options: list[str] = Field(default_factory=list)  # extra `ssh -o` options (IdentityFile=...)
+    llama_args: list[str] = Field(default_factory=list)
+    temperature: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    restart: str | None = None  # a Podman restart policy
+
+
+# --- options -----------------------------------------------------------------------------------
+
+
+def options(model: str, **flags: Any) -> ServeOptions:
+    """ServeOptions from the effective settings (config file, environment) and the given flags."""
+
+    keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port")
+    if flags.get("rpc_backends") and flags.get("gpu_devices"):
+        raise ApirctlError("--rpc-backend and --gpu-device are two different transports",
+                           hint="keep --gpu-device for GPU passthrough or --rpc-backend for remoting")
+    if flags.get("rpc_backends"):
+        if flags.get("transport") not in (None, "rpc"):
+            raise ApirctlError(f"--rpc-backend uses the rpc transport, not --transport {flags['transport']}")
+        flags = {**flags, "transport": "rpc"}
+    elif flags.get("via_ssh") or flags.get("insecure_network"):
+        raise ApirctlError("--via-ssh and --insecure-network only apply with --rpc-backend HOST:PORT")
+    if flags.get("gpu_devices"):
+        if flags.get("transport") not in (None, "gpu"):
+            raise ApirctlError(f"--gpu-device uses the gpu transport, not --transport {flags['transport']}")
+        flags = {**flags, "transport": "gpu"}
+    known = {k: v for k, v in flags.items() if k in keys}
+    loaded = config.load(known)
+    settings = loaded.settings
+    values: dict[str, Any] = {k: getattr(settings, k) for k in keys}
+    values["port_given"] = loaded.sources.get("port") == "command line"
+    values["timeout"] = settings.health_timeout
+    values.update({k: v for k, v in flags.items() if k not in keys and v is not None})
+    return ServeOptions(model=model, **values)
+
+
+def _connect_host(host_ip: str) -> str:
+    """Where the host reaches a port published on `host_ip` (any-address means loopback)."""
+    if host_ip in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host_ip == "::":
+        return "::1"
+    return host_ip
+
+
+def publish_ip(host_ip: str) -> str:
+    """The host address to ask Podman for: "" for every IPv4 interface. Netavark before 1.6 (Podman 4)
+    turns an explicit 0.0.0.0 into a rule for the literal address 0.0.0.0, which no connection has,
+    so `--host-ip 0.0.0.0` published a port nothing could reach."""
+    return "" if host_ip == "0.0.0.0" else host_ip
+
+
+def server_url(host_ip: str, port: int) -> str:
+    host = _connect_host(host_ip)
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}/v1"
+
+
+def free_port(host_ip: str, start: int, tries: int = 100) -> int:
+    """The first port from `start` on that nothing listens on (as RamaLama moves off a busy default)."""
+    for port in range(start, min(start + tries, 65536)):
+        try:
+            check_port(host_ip, port)
+        except ApirctlError:
+            continue
+        return port
+    raise ApirctlError(f"no free port from {start} to {start + tries - 1} on {host_ip}", hint="pick one with --port")
+
+
+class PortClaim:
+    """This process's claim on a host port, from the port check until the server is ready (or has
+    failed), so that parallel `apirctl serve`s on one port cannot all pass the check.
+
+    Why: with Podman 4.3 and netavark, a container that fails to start because its port is taken
+    removes the port-forwarding rules of the container that holds the port, so a serve that slips
+    past the check breaks the running server as it fails. Linux: an abstract unix socket named after
+    the user and port (the kernel frees it when the process ends, so nothing is left behind);
+    elsewhere an flock on a file in a private folder.
+    """
+
+    def __init__(self, port: int) -> None:
+        import os
+        import sys
+
+        self.port = port
+        self._sock: socket.socket | None = None
+        self._file: Any = None
+        if sys.platform.startswith("linux"):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.bind(f"\0apirctl-serve-port-{os.getuid()}-{port}")
+            except OSError:
+                sock.close()
+                raise self._busy() from None
+            self._sock = sock
+            return
+        import fcntl
+        import tempfile
+
+        folder = Path(tempfile.gettempdir()) / f"apirctl-{os.getuid()}"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        handle = (folder / f"serve-port-{port}.lock").open("w")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise self._busy() from None
+        self._file = handle
+
+    def _busy(self) -> ApirctlError:
+        return ApirctlError(f"port {self.port} is being taken by another `apirctl serve` that is starting",
+                            hint="wait for it (`apirctl ps`), or pick another one with --port")
+
+    def release(self) -> None:
+        for held in (self._sock, self._file):
+            if held is not None:
+                held.close()
+        self._sock = self._file = None
+
+
+def claim_port(host_ip: str, port: int, given: bool = True) -> tuple[int, PortClaim]:
+    """Claim `port` and check it is free (given), or the first free port from it on (not given)."""
+    _check_host_ip(host_ip)
+    if given:
+        claim = PortClaim(port)
+        try:
+            check_port(host_ip, port)
+        except BaseException:
+            claim.release()
+            raise
+        return port, claim
+    for candidate in range(port, min(port + 100, 65536)):
+        try:
+            claim = PortClaim(candidate)
+        except ApirctlError:
+            continue
+        try:
+            check_port(host_ip, candidate)
+        except ApirctlError:
+            claim.release()
+            continue
+        return candidate, claim
+    raise ApirctlError(f"no free port from {port} to {min(port + 99, 65535)} on {host_ip}", hint="pick one with --port")
+
+
+def _check_host_ip(host_ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    try:
+        return ipaddress.ip_address(host_ip)
+    except ValueError:
+        raise ApirctlError(f"--host-ip {host_ip!r} is not an IP address (default 127.0.0.1)") from None
+
+
+def check_port(host_ip: str, port: int) -> None:
+    """A clear error for a privileged or busy port, before anything is created."""
+    if not 1024 < port < 65536:
+        raise ApirctlError(f"port {port} is not allowed: choose one from 1025 to 65535")
+    address = _check_host_ip(host_ip)
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As a server binds: connections of a server that just stopped (TIME_WAIT, a minute) do not
+        # make the port busy; a listening socket still does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host_ip, port))
+        except OSError as exc:
+            owner = next((s.name for s in list_servers() if s.port == port), None)
+            by = f" by apirctl server {owner}" if owner else ""
+            hint = f"stop it with `apirctl stop {owner}`" if owner else "pick another one with --port"
+            raise ApirctlError(f"port {port} on {host_ip} is in use{by} ({exc.strerror})", hint=hint) from None
+
+
+# --- model -------------------------------------------------------------------------------------
+
+
+class ModelFile(BaseModel):
+    """The GGUF file to mount, the name it gets inside the container, and a short display name;
+    with the files that go beside it (split parts, the projector), its kind and its default params."""
+
+    path: Path
+    filename: str
+    name: str
+    files: list[models.ModelFile] = Field(default_factory=list, description="every file to mount")
+    mmproj: str | None = None  # the projector's name in the container
+    kind: str = "chat"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+def resolve_model(ref: str) -> ModelFile:
+    """Resolve a reference through the model store (which fetches what is missing).
+
+    Store blobs are named by digest, so the container sees each file under its original name.
+    """
+
+    found = models.resolve(ref, pull=True)
+    name = Path(found.filename).stem if found.source == "file" else found.name
+    return ModelFile(path=found.path, filename=found.filename, name=name, files=found.files(),
+                     mmproj=found.mmproj.filename if found.mmproj else None,
+                     kind=models.header(found.path).kind, params=found.params)

@@ -1,0 +1,168 @@
+"""The inference servers that run: listed from their containers' labels with their health, found
+by name, their logs, stopped.
+
+Containers carry the labels Podman AI Lab and Podman Desktop read to list an inference service,
+plus apirctl's own, so `ps`, `chat` and `bench` find servers from labels alone (`apirctl.podman.servers`),
+and servers started by the upstream extension are found too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from apirctl.errors import ApirctlError
+from apirctl.podman import containers
+from apirctl.podman import servers as podman_servers
+from apirctl.podman.servers import (
+    RUNNING,
+    Server,
+)
+from apirctl.remoting import backends, rpc_server, tunnel
+
+if TYPE_CHECKING:
+    pass
+
+
+STOP_TIMEOUT = 10
+
+
+# --- listing -----------------------------------------------------------------------------------
+
+
+def health(base: str, timeout: float = 1.0) -> str:
+    """llama-server's /health: ok, loading (503 while the model loads), error, or unreachable.
+
+    The standard library's http.client, not httpx: serve polls this every 20 ms right after its
+    own start, where importing httpx alone would cost more than the poll interval several times.
+    """
+    import http.client
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", f"{parts.path.rstrip('/')}/health")
+        status = conn.getresponse().status
+    except (OSError, http.client.HTTPException):
+        return "unreachable"
+    finally:
+        conn.close()
+    if status == 200:
+        return "ok"
+    if status == 503:
+        return "loading"
+    return "error"
+
+
+def _rpc_problem(server: Server) -> str | None:
+    """Why an rpc server cannot work now: its SSH tunnel is gone, or (no explicit backends) its
+    backend is down or was restarted under it."""
+    if server.rpc_backends:
+        if server.tunnels:
+            alive = {t.pid for t in tunnel.tunnels()}
+            if not set(server.tunnels) <= alive:
+                return "ssh tunnel down"
+        return None
+
+    return rpc_server.backend_problem(server.rpc_instance, server.rpc_link, server.started)
+
+
+def _own_backends(servers: list[Server]) -> None:
+    """Stop the backends of containers that no longer run (a container that died leaves nothing
+    behind), and show which links moved to shared memory (the backend's record knows)."""
+    backends.clean(s.id for s in servers if s.running)
+    for server in servers:
+        if server.rpc_link == "unix" and server.rpc_instance:
+            instance = backends.get(server.rpc_instance)
+            if instance is not None:
+                server.rpc_link = instance.link
+
+
+def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]:  # noqa: A002
+    """apirctl's servers (and the upstream extension's), newest first; `all` adds stopped ones.
+
+    With `probe_health`, each running server's /health is asked (and an rpc server's backend or
+    tunnel checked: its /health says ok until its next request). Backends of containers that no
+    longer run are stopped on the way.
+    """
+    servers = podman_servers.list_servers(all)
+    _own_backends(servers)
+    if probe_health:
+        for server in servers:
+            if server.running:
+                server.health = _health_of(server)
+    return servers
+
+
+def _health_of(server: Server) -> str:
+    # 3 s: a server on a starved CPU is slow, not down
+    found = health(server.base, timeout=3.0) if server.url else "unreachable"
+    if server.transport == "rpc":
+        found = _rpc_problem(server) or found
+    return found
+
+
+def find_server(name: str | None = None, all: bool = False) -> Server:  # noqa: A002
+    """The server called `name` (name or id prefix); without a name, the only one running."""
+    servers = list_servers(all=all or name is not None)
+    if name:
+        for server in servers:
+            if name in (server.name, server.id) or (len(name) >= 6 and server.id.startswith(name)):
+                return server
+        known = ", ".join(s.name for s in servers) or "none"
+        raise ApirctlError(f"no inference server named {name!r} (servers: {known})", hint="see `apirctl ps -a`")
+    running = [s for s in servers if s.state in RUNNING]
+    if not running:
+        raise ApirctlError("no inference server is running", hint="start one with `apirctl serve MODEL`")
+    if len(running) > 1:
+        names = ", ".join(s.name for s in running)
+        raise ApirctlError(f"several inference servers are running ({names})", hint="name one of them")
+    return running[0]
+
+
+# --- logs and stop -----------------------------------------------------------------------------
+
+
+def logs(
+    name: str | None = None, tail: int | None = None, follow: bool = False, since: int | None = None
+) -> Iterator[str]:
+    """A server's log lines (stopped servers too); with `follow`, until it stops.
+
+    `since` (Unix seconds, with `follow`) starts the stream at a moment instead of a line count.
+    """
+    server = find_server(name, all=True) if name else find_server(None)
+    api = containers.connect()
+    if follow:
+        yield from api.follow_logs(server.id, tail=tail, since=since)
+        return
+    yield from api.logs(server.id, tail=tail).splitlines()
+
+
+def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002
+    """Stop and remove servers; returns their names. Without a name, the only server there is."""
+    if all:
+        targets = [s for s in list_servers(all=True, probe_health=False) if s.managed]
+    elif name:
+        targets = [find_server(name, all=True)]
+    else:
+        servers = list_servers(all=True, probe_health=False)
+        running = [s for s in servers if s.state in RUNNING]
+        if not servers:
+            raise ApirctlError("no inference server to stop", hint="`apirctl ps -a` lists them")
+        candidates = running if running else servers  # the one running server, else the only one left
+        if len(candidates) > 1:
+            names = ", ".join(s.name for s in candidates)
+            raise ApirctlError(f"several inference servers exist ({names})", hint="name one, or use --all")
+        targets = candidates[:1]
+    stopped = []
+    for server in targets:
+        with contextlib.suppress(ApirctlError):
+            podman_servers.remove(server, timeout=STOP_TIMEOUT)
+            stopped.append(server.name)
+        if server.tunnels and server.name in stopped:
+            tunnel.close(server.tunnels)
+        if server.rpc_instance and server.rpc_link in ("unix", "shm") and server.name in stopped:
+            backends.stop(server.rpc_instance)  # the container's own backend, socket and directory
+    return stopped

@@ -1,0 +1,547 @@
+"""Starting a server, top to bottom: the plan, the model, the image, the container spec, create,
+start, wait until /health says ok.
+
+A server is a Podman container running llama-server with the model mounted read-only and its port
+published on the host's loopback by default (the upstream extension publishes on every interface;
+an inference API without a key should not be reachable from the network).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from apirctl import __version__, config, gpu, host, models
+from apirctl.build import image, llamacpp
+from apirctl.errors import MISSING, ApirctlError
+from apirctl.podman import containers
+from apirctl.podman.containers import BindMount, ContainerSpec, PodmanApi
+from apirctl.podman.servers import (
+    GPU_LABELS,
+    L_AI_LAB,
+    L_API,
+    L_APIR,
+    L_DOCS,
+    L_GPU,
+    L_HOST_IP,
+    L_KIND,
+    L_MODEL,
+    L_RPC_BACKENDS,
+    L_RPC_INSTANCE,
+    L_RPC_LINK,
+    L_RPC_TARGET,
+    L_TRACKING,
+    L_TRANSPORT,
+    L_TUNNELS,
+    L_VERSION,
+    L_VIA_SSH,
+    RUNNING,
+    STARTING,
+    Server,
+    created_at,
+)
+from apirctl.remoting import backends, rpc_server, transport, tunnel
+from apirctl.serve.inputs import (
+    ModelFile,
+    ServeOptions,
+    claim_port,
+    publish_ip,
+    resolve_model,
+    server_url,
+)
+from apirctl.serve.servers import STOP_TIMEOUT, find_server, health, list_servers
+from apirctl.serve.units import FORMATS, check_restart
+from apirctl.serve.units import kube as kube_yaml
+from apirctl.serve.units import quadlet as quadlet_unit
+
+if TYPE_CHECKING:
+    from apirctl.remoting.backends import Instance
+    from apirctl.remoting.transport import Plan
+
+
+CONTAINER_PORT = 8000
+MODELS_DIR = "/models"
+LOG_TAIL_LINES = 20
+DOCS_URL = "https://github.com/ggml-org/llama.cpp/tree/master/tools/server"
+
+
+class Phase(BaseModel):
+    """One step of `start` and how long it took (shown by the CLI, used by the benchmark)."""
+
+    name: str  # model, image, container, loading model
+    seconds: float
+
+
+class Started(BaseModel):
+    """What `start` returns: the server, each phase's duration and the transport notice."""
+
+    server: Server
+    phases: list[Phase]
+    notice: str | None = None
+
+
+class ServeFailed(ApirctlError):
+    """The server did not become ready; `log_tail` holds the container's last lines."""
+
+    def __init__(self, message: str, log_tail: str = "", hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.log_tail = log_tail
+
+
+ProgressFn = Callable[[str], None]
+
+
+# --- starting ----------------------------------------------------------------------------------
+
+
+def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None, api: PodmanApi) -> str:
+    """The image to run: --image, else the transport's, else apirctl's local build."""
+
+    chosen = opts.image or plan.image
+    if chosen:
+        if not api.exists("images", chosen):
+            if chosen.startswith("localhost/"):
+                raise ApirctlError(f"image {chosen} does not exist", hint="build it with `apirctl setup`")
+            api.pull(chosen, on_status)
+        return chosen
+
+    if plan.image_backend:  # passthrough: the image with that GPU backend
+        build = gpu.gpu_builds().get(plan.image_backend)
+        if build is None:
+            raise ApirctlError(f"no llama.cpp build with the {plan.image_backend} backend",
+                               hint="run `apirctl setup --vulkan`" if plan.image_backend == "vulkan"
+                               else "run `apirctl setup` on this host with the CUDA toolkit installed")
+    else:
+        build = llamacpp.container_build()
+    if build is None:
+        raise ApirctlError("the inference image is not built yet", exit_code=MISSING, hint="run `apirctl setup`")
+    tag = image.tag_for(build)
+    if api.exists("images", tag):  # one API call instead of a podman process: serve's hot path
+        return tag
+    if on_status:
+        on_status(f"building {tag}")
+    return image.ensure(build)
+
+
+def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, kind: str = "chat") -> dict[str, str]:
+    remote = {L_RPC_BACKENDS: ",".join(opts.rpc_backends)} if opts.rpc_backends else {}
+    if opts.via_ssh:
+        remote[L_VIA_SSH] = opts.via_ssh
+    if plan.tunnels:
+        remote[L_TUNNELS] = ",".join(str(pid) for pid in plan.tunnels)
+    if "--rpc" in plan.llama_args[:-1]:
+        remote[L_RPC_TARGET] = plan.llama_args[plan.llama_args.index("--rpc") + 1]
+    if plan.rpc_link:
+        remote[L_RPC_LINK] = plan.rpc_link
+    if plan.rpc_instance:
+        remote[L_RPC_INSTANCE] = plan.rpc_instance
+    return {
+        **remote,
+        L_VERSION: __version__,
+        L_MODEL: model_name,
+        L_KIND: kind,
+        L_TRANSPORT: plan.transport,
+        L_HOST_IP: opts.host_ip,
+        L_APIR: "true" if plan.transport == "virtgpu" else "false",
+        L_API: server_url(opts.host_ip, opts.port),
+        L_AI_LAB: json.dumps([str(model_path.parent)]),
+        L_GPU: GPU_LABELS[plan.transport],
+        L_DOCS: DOCS_URL,
+        L_TRACKING: secrets.token_hex(8),
+    }
+
+
+def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list[str]:
+    command = [
+        "--model", f"{MODELS_DIR}/{model_file}",
+        "--host", "0.0.0.0",  # inside the container; the host side is published on --host-ip only
+        "--port", str(CONTAINER_PORT),
+        "--ctx-size", str(opts.ctx_size),
+        "--alias", model_name,
+    ]
+    if opts.threads:
+        command += ["--threads", str(opts.threads)]
+    if opts.api_key:
+        command += ["--api-key", opts.api_key]
+    return command
+
+
+#: Ollama's params that have a llama-server flag of the same meaning.
+_OLLAMA_PARAMS = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p", "min_p": "--min-p",
+                  "repeat_penalty": "--repeat-penalty", "repeat_last_n": "--repeat-last-n", "seed": "--seed"}
+
+
+def _model_args(opts: ServeOptions, model: ModelFile) -> list[str]:
+    """llama-server flags the model implies (its kind, projector, source defaults) and the sampling flags."""
+    args: list[str] = []
+    if model.mmproj:
+        args += ["--mmproj", f"{MODELS_DIR}/{model.mmproj}"]
+    if model.kind == "embedding":
+        args.append("--embeddings")
+    elif model.kind == "reranking":
+        args.append("--reranking")
+    given = {"--temp": opts.temperature, "--seed": opts.seed, "--n-predict": opts.max_tokens}
+    for key, flag in _OLLAMA_PARAMS.items():
+        value = model.params.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and given.get(flag) is None:
+            given[flag] = value
+    for flag, value in given.items():
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "model"
+
+
+def _pick_name(opts: ServeOptions, model_name: str, api: PodmanApi) -> str:
+    def exists(candidate: str) -> bool:
+        return api.exists("containers", candidate)
+
+    if opts.name:
+        if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", opts.name):
+            raise ApirctlError(f"invalid server name {opts.name!r}: use letters, digits, '_', '.' and '-'")
+        if exists(opts.name):
+            raise ApirctlError(f"a container named {opts.name} already exists",
+                               hint=f"stop it with `apirctl stop {opts.name}` or pick another --name")
+        return opts.name
+    base = f"apirctl-{_slug(model_name)}"
+    for candidate in (base, f"{base}-{opts.port}"):
+        if not exists(candidate):
+            return candidate
+    raise ApirctlError(f"containers {base} and {base}-{opts.port} already exist", hint="pass --name")
+
+
+def _one_virtgpu_at_a_time(plan: Plan) -> None:
+    if plan.transport != "virtgpu":
+        return
+    for server in list_servers(probe_health=False):
+        if server.transport == "virtgpu" and server.state in RUNNING:
+            raise ApirctlError(
+                f"an API-remoting server is already running: {server.name} ({server.url})",
+                hint=f"only one virtgpu container can run at a time; stop it with `apirctl stop {server.name}`",
+            )
+
+
+def _check_remote(opts: ServeOptions) -> None:
+    """Refuse bad --rpc-backend/--via-ssh input before anything is fetched, created or opened."""
+
+    if host.is_macos():
+        raise ApirctlError("--rpc-backend is for Linux hosts", hint="on macOS use `--transport virtgpu`")
+    if opts.via_ssh:
+        for text in opts.rpc_backends:
+            transport.parse_endpoint(text)
+        tunnel.split_via(opts.via_ssh)
+    else:  # no tunnels are opened without --via-ssh: this only decides the refusal
+        transport.remote_rpc_plan(opts.rpc_backends, opts.ngl, insecure_network=opts.insecure_network)
+
+
+def _remote_plan(opts: ServeOptions) -> Plan:
+    """The rpc wiring of explicit backends; with --via-ssh this opens (and records) the tunnels."""
+
+    ssh_args = [arg for option in opts.ssh_options for arg in ("-o", option)]
+    return transport.remote_rpc_plan(opts.rpc_backends, opts.ngl, via_ssh=opts.via_ssh,
+                                     insecure_network=opts.insecure_network, ssh_args=ssh_args)
+
+
+def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
+    """Create the container, start it and wait until /health says ok.
+
+    `progress` is called with each phase's name as it begins. On failure the container's last
+    log lines come with the error (`ServeFailed.log_tail`), the container is removed unless
+    `opts.keep`, and SSH tunnels opened for it are closed.
+    """
+
+    phases: list[Phase] = []
+    current: list[tuple[str, float]] = []
+
+    def phase(name: str) -> None:
+        """Close the running phase and open `name` (the CLI shows it with elapsed time)."""
+        now = time.monotonic()
+        if current:
+            phases.append(Phase(name=current[0][0], seconds=now - current[0][1]))
+        current[:] = [(name, now)]
+        if progress:
+            progress(name)
+
+    if opts.restart:
+        check_restart(opts.restart)
+    moved = None
+    port, claim = claim_port(opts.host_ip, opts.port, given=opts.port_given)  # held until ready or failed
+    try:
+        if port != opts.port:
+            moved = f"port {opts.port} is in use: serving on {port} (--port picks one)"
+        opts = opts.model_copy(update={"port": port})
+        started = _start_on_port(opts, phase, progress, phases)
+    finally:
+        claim.release()
+    notice = "; ".join(n for n in (moved, started.notice) if n) or None
+    return started.model_copy(update={"notice": notice})
+
+
+def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn | None,
+                   phases: list[Phase]) -> Started:
+    """`start` once the port is claimed: the plan, the model, tunnels or backend, the container."""
+    if opts.rpc_backends:
+        _check_remote(opts)
+        plan = None
+    else:
+        plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
+                              own_image=opts.image is not None)
+        _one_virtgpu_at_a_time(plan)
+    phase("model")
+    model = resolve_model(opts.model)
+    api = containers.connect()
+    name = _pick_name(opts, model.name, api)
+    instance = None
+    try:  # every resource below is made inside the scope that removes it on any failure or Ctrl-C
+        if plan is None:
+            if opts.via_ssh:
+                phase("ssh tunnels")
+            plan = _remote_plan(opts)
+        if plan.needs_backend:  # a backend of its own, on its own socket
+            phase("rpc backend")
+            instance = rpc_server.start_own_backend(name)
+            plan = transport.with_backend(plan, instance)
+        server = _start_container(opts, plan, model, name, phase, progress, api, instance)
+    except BaseException:
+        with _uninterrupted():
+            if plan is not None and plan.tunnels:  # a kept container cannot use them either: it has exited
+                tunnel.close(plan.tunnels)
+            if instance is not None:
+                backends.stop(instance)
+        raise
+    return Started(server=server, phases=phases, notice=plan.notice)
+
+
+def _spec(opts: ServeOptions, plan: Plan, model: ModelFile, name: str, image_ref: str) -> ContainerSpec:
+    """The container `serve` runs (also what `--generate` writes down)."""
+    spec = ContainerSpec(
+        image=image_ref,
+        name=name,
+        command=_llama_command(opts, model.filename, model.name) + _model_args(opts, model),
+        entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"],
+        labels=_labels(opts, plan, model.path, model.name, model.kind),
+        mounts=[BindMount(source=f.path, target=f"{MODELS_DIR}/{f.filename}", read_only=True)
+                for f in model.files or [models.ModelFile(path=model.path, filename=model.filename)]],
+        ports={CONTAINER_PORT: (publish_ip(opts.host_ip), opts.port)},
+        restart_policy=check_restart(opts.restart) if opts.restart else None,
+    )
+    spec = plan.apply(spec)
+    spec.command += opts.llama_args
+    return spec
+
+
+def generate(opts: ServeOptions, fmt: str) -> str:
+    """The server `start` would run, as a quadlet unit (`fmt` "quadlet") or Kubernetes YAML ("kube").
+
+    Nothing is created or started; the model is fetched and the image built, as they must exist
+    where the unit runs."""
+    if fmt not in FORMATS:
+        raise ApirctlError(f"--generate {fmt!r}: one of {', '.join(FORMATS)}")
+    if opts.rpc_backends:
+        raise ApirctlError("--generate does not take --rpc-backend: SSH tunnels end with this command",
+                           hint="generate with the host's own backend (--transport rpc) instead")
+    if opts.restart:
+        check_restart(opts.restart)
+    plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
+                          own_image=opts.image is not None)
+    if plan.needs_backend:  # a backend of its own is apirctl's process, started by serve: a unit outlives it
+        raise ApirctlError("--generate cannot give the unit a backend of its own: the host backend listens on "
+                           "a Unix socket, and apirctl starts one backend per container it serves",
+                           hint="generate against a TCP host backend (`apirctl machine restart --remoting "
+                           "--listen tcp`), or with --transport none")
+    model = resolve_model(opts.model)
+    api = containers.connect()
+    name = opts.name or f"apirctl-{_slug(model.name)}"
+    spec = _spec(opts, plan, model, name, _image_for(opts, plan, None, api))
+    if fmt == "kube":
+        return kube_yaml(spec, opts.restart)
+    return quadlet_unit(spec, opts.restart, description=f"apirctl llama-server: {model.name}")
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Clean-up that a second Ctrl-C (or `kill`) must not cut short: SIGINT and SIGTERM wait until
+    it is done (they are delivered then)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str,
+                     phase: ProgressFn, progress: ProgressFn | None, api: PodmanApi,
+                     instance: Instance | None = None) -> Server:
+    """Image, container, start, wait for /health; a failed container is removed (unless --keep)."""
+
+    phase("image")
+    image_ref = _image_for(opts, plan, progress, api)
+    spec = _spec(opts, plan, model, name, image_ref)
+
+    phase("container")
+    container_id = ""
+    try:
+        with _uninterrupted():  # podman finishes a create its client gave up on: Ctrl-C waits for the id
+            container_id = api.create(spec)
+        if instance is not None:
+            backends.attach(instance, container_id)
+        api.start(container_id, name)
+        phase("loading model")
+        base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
+        attrs = _wait_ready(api, container_id, base, opts.timeout)
+        _check_ours(base, f"{MODELS_DIR}/{model.filename}", opts.port)
+        if instance is not None:
+            backends.confirm_link(instance)
+        phase("ready")
+    except BaseException as exc:
+        with _uninterrupted():
+            if not container_id:  # interrupted inside create: podman may have made it under our name
+                _remove_if_ours(api, name, spec.labels[L_TRACKING])
+                raise
+            tail = _safe_tail(api, container_id)
+            if not opts.keep:
+                _remove_failed(api, container_id)
+        if isinstance(exc, ServeFailed):
+            exc.log_tail = exc.log_tail or tail
+            raise
+        if isinstance(exc, ApirctlError):
+            raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
+        raise
+    return Server(
+        name=name, id=container_id, model=model.name, transport=plan.transport, url=server_url(opts.host_ip, opts.port),
+        state="running", health="ok", port=opts.port, created=created_at(attrs), image=image_ref,
+        rpc_backends=list(opts.rpc_backends), tunnels=list(plan.tunnels), kind=model.kind, rpc_target=_target(plan),
+        rpc_link=instance.link if instance is not None else plan.rpc_link, rpc_instance=plan.rpc_instance,
+    )
+
+
+def _target(plan: Plan) -> str:
+    args = plan.llama_args
+    return args[args.index("--rpc") + 1] if "--rpc" in args[:-1] else ""
+
+
+def _remove_failed(api: PodmanApi, container_id: str, attempts: int = 4) -> None:
+    """Remove a container that failed or was interrupted. Podman 4.3 can refuse a removal while the
+    container is still being stopped or cleaned up (seen under load after Ctrl-C during loading), so
+    a refusal is retried; the error being reported matters more than a failed clean-up."""
+    for attempt in range(attempts):
+        try:
+            api.remove(container_id, timeout=2)
+            return
+        except Exception:  # noqa: BLE001 - retried, then given up on: the original error is raised
+            if attempt + 1 < attempts:
+                time.sleep(0.5 * (attempt + 1))
+
+
+def _remove_if_ours(api: PodmanApi, name: str, tracking: str) -> None:
+    """Remove the container called `name` if it carries this start's tracking label (never another
+    serve's container that took the name first)."""
+    with contextlib.suppress(Exception):
+        labels = (api.inspect(name).get("Config") or {}).get("Labels") or {}
+        if labels.get(L_TRACKING) == tracking:
+            api.remove(name, timeout=2)
+
+
+def _safe_tail(api: PodmanApi, container_id: str) -> str:
+    try:
+        return api.logs(container_id, tail=LOG_TAIL_LINES).rstrip()
+    except Exception:  # the container may be gone already; the error matters more than its log
+        return ""
+
+
+def _check_ours(base: str, model_path: str, port: int) -> None:
+    """The published port must reach this container, not just any listener: llama-server's /props
+    names the model file it loaded, which is ours. A server that has no /props (another image) is
+    taken on trust."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=5)
+    try:
+        conn.request("GET", "/props")
+        response = conn.getresponse()
+        data = json.loads(response.read()) if response.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return
+    finally:
+        conn.close()
+    found = data.get("model_path") if isinstance(data, dict) else None
+    if isinstance(found, str) and found and found != model_path:
+        raise ServeFailed(f"port {port} answers, but from another server (its model is {found}, ours {model_path})",
+                          hint="another process took the port as this server started: stop it, or use another --port")
+
+
+def _wait_ready(api: PodmanApi, container_id: str, base: str, timeout: float) -> dict[str, Any]:
+    """Poll /health until ok, often at first (each interval adds to time-to-ready: 5 ms in the first
+    second, then 20 ms, then 100 ms after 10 s, for models that load for minutes); returns the last
+    inspect data. The container's state is asked every 250 ms only while /health does not answer
+    (a server that answers "loading" is alive; an exited one stops answering), failing fast when
+    it stops: on a small machine each inspect takes CPU from the model load."""
+    started = time.monotonic()
+    deadline = started + timeout
+    next_state_check = 0.0
+    attrs: dict[str, Any] = {}
+    while True:
+        state = health(base, timeout=2.0)
+        if state == "ok":
+            return attrs or api.inspect(container_id)
+        now = time.monotonic()
+        if state != "loading" and now >= next_state_check:
+            attrs = api.inspect(container_id)
+            status = (attrs.get("State") or {}).get("Status", "")
+            if status not in RUNNING + STARTING:
+                code = (attrs.get("State") or {}).get("ExitCode")
+                raise ServeFailed(
+                    f"the server exited (code {code}) before it was ready",
+                    hint="its last log lines are above; fix the model or flags and retry",
+                )
+            next_state_check = now + 0.25
+        if time.monotonic() > deadline:
+            raise ServeFailed(
+                f"the server was not ready after {timeout:g} s (health: {state})",
+                hint="raise the limit with --timeout or APIRCTL_HEALTH_TIMEOUT, or see the log lines above",
+            )
+        waited = time.monotonic() - started
+        time.sleep(0.005 if waited < 1 else 0.02 if waited < 10 else 0.1)
+
+
+def restart(name: str, timeout: float | None = None, progress: ProgressFn | None = None) -> Server:
+    """Stop and start a server's container again, then wait for /health; returns it as `ps` sees it.
+
+    The container keeps what serve gave it (model, name, port, llama flags, the backend address), so
+    a server whose RPC backend was restarted under it connects to the new one: llama-server does not
+    reconnect by itself. Its instance label stays; it counts as connected because it started after
+    the backend did (`rpc_server.backend_problem`).
+    """
+    say = progress or (lambda _step: None)
+    server = find_server(name, all=True)
+    if not server.managed:
+        raise ApirctlError(f"{name} was not started by apirctl", hint="restart it where it was started")
+    api = containers.connect()
+    say(f"stopping {server.name}")
+    api.stop(server.id, timeout=STOP_TIMEOUT)
+    say(f"starting {server.name}")
+    api.start(server.id, server.name)
+    say(f"waiting for {server.name} to load its model")
+    limit = timeout if timeout is not None else config.settings().health_timeout
+    _wait_ready(api, server.id, server.base, limit)
+    return find_server(server.name)

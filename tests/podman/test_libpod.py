@@ -1,0 +1,105 @@
+"""apirctl.podman.libpod: the create body matches podman-py's rendering of the same spec, and the calls
+work against the real Podman service."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from apirctl.errors import ApirctlError
+from apirctl.podman import containers, engine, libpod
+
+
+def _podman_py_body(spec: containers.ContainerSpec) -> object:
+    """What podman-py posts for `containers.create(**spec.create_kwargs())` (its render, then its filter)."""
+    from podman import api
+    from podman.domain.containers_create import CreateMixin
+
+    return json.loads(api.prepare_body(CreateMixin._render_payload(spec.create_kwargs())))
+
+
+@pytest.mark.parametrize("extra", [
+    {},
+    {"entrypoint": ["llama-server"], "devices": ["/dev/dri"], "security_opt": ["label=disable"]},
+    {"network_mode": "slirp4netns", "network_options": {"slirp4netns": ["allow_host_loopback=true"]},
+     "environment": {"A": "1"}},
+])
+def test_create_body_is_what_podman_py_sends(tmp_path: Path, extra: dict[str, object]) -> None:
+    spec = containers.ContainerSpec(
+        image="localhost/apirctl/llama-server:test", name="apirctl-x", command=["--port", "8000"],
+        labels={"apirctl.version": "0"}, ports={8000: ("127.0.0.1", 1234)},
+        mounts=[containers.BindMount(source=tmp_path, target="/models/m.gguf")], **extra,  # type: ignore[arg-type]
+    )
+    assert libpod.create_body(spec) == _podman_py_body(spec)
+
+
+def test_only_socket_urls_are_spoken_directly() -> None:
+    assert libpod.supported("unix:///run/podman/podman.sock") and libpod.supported("tcp://127.0.0.1:8080")
+    assert not libpod.supported("ssh://me@host/run/podman/podman.sock")
+
+
+@pytest.mark.integration
+def test_exists_create_start_inspect_on_the_real_service(podman: str, llama_image: str, tmp_path: Path) -> None:
+    name = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    assert libpod.exists(podman, "images", llama_image)
+    assert not libpod.exists(podman, "images", "localhost/apirctl/no-such-image:0")
+    assert not libpod.exists(podman, "containers", name)
+    spec = containers.ContainerSpec(image=llama_image, name=name, entrypoint=["/app/bin/llama-server"],
+                                command=["--version"], labels={"apirctl.test": "libpod"})
+    container_id = libpod.create(podman, spec)
+    try:
+        assert libpod.exists(podman, "containers", name)
+        libpod.start(podman, container_id)
+        attrs = libpod.inspect(podman, container_id)
+        assert attrs["State"]["Status"] in ("running", "exited")
+        assert attrs["Config"]["Labels"]["apirctl.test"] == "libpod"
+        with pytest.raises(libpod.LibpodError) as err:
+            libpod.create(podman, spec)  # the name is taken
+        assert err.value.status >= 400 and "already in use" in err.value.message
+    finally:
+        engine.client().containers.get(container_id).remove(force=True)
+    missing = spec.model_copy(update={"name": f"{name}-2", "entrypoint": ["/no/such/binary"]})
+    container_id = libpod.create(podman, missing)
+    try:
+        with pytest.raises(libpod.LibpodError, match="no such file|not found"):
+            libpod.start(podman, container_id)
+    finally:
+        engine.client().containers.get(container_id).remove(force=True)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_seam_both_ways(podman: str, llama_image: str, direct: bool) -> None:
+    """The Podman seam gives the same answers through libpod and through podman-py (ssh:// URLs)."""
+    api = containers.Libpod(engine.discover().url)
+    api.direct = direct
+    name = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    assert api.exists("images", llama_image) and not api.exists("containers", name)
+    spec = containers.ContainerSpec(image=llama_image, name=name, entrypoint=["/app/bin/llama-server"],
+                                command=["--version"], labels={"apirctl.test": "api"})
+    container_id = api.create(spec)
+    try:
+        api.start(container_id, name)
+        attrs = api.inspect(container_id)
+        assert attrs["Id"] == container_id and attrs["Config"]["Labels"]["apirctl.test"] == "api"
+        assert api.exists("containers", name)
+        listed = [c for c in api.list("apirctl.test=api", all_=True) if c["Id"] == container_id]
+        assert [(c["Names"], c["Labels"]["apirctl.test"]) for c in listed] == [([name], "api")]
+        assert not [c for c in api.list("apirctl.test=other", all_=True) if c["Id"] == container_id]
+        deadline = time.monotonic() + 60
+        while api.inspect(container_id)["State"]["Status"] != "exited":
+            assert time.monotonic() < deadline, "the container did not exit"
+            time.sleep(0.05)
+        assert "version" in api.logs(container_id).lower()
+    finally:
+        api.remove(container_id, timeout=2)
+    assert not api.exists("containers", name)
+    api.remove(container_id, timeout=2)  # absent is fine
+    missing = spec.model_copy(update={"name": f"{name}-2", "image": "localhost/apirctl/no-such-image:0"})
+    with pytest.raises(ApirctlError, match="not found") as err:
+        api.create(missing)
+    assert err.value.hint and "apirctl setup" in err.value.hint

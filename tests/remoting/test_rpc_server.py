@@ -1,0 +1,183 @@
+"""`apirctl machine` on Linux: the real ggml-rpc-server as a background process owned by apirctl."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from apirctl.errors import ApirctlError
+from apirctl.machine import MachineState, RestartOptions
+from apirctl.remoting import rpc_server
+from tests.remoting.conftest import free_port
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, APIRCTL_PLATFORM="linux"))
+
+
+def listeners(port: int) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) listening on `port`."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            cols = line.split()
+            address, port_hex = cols[1].rsplit(":", 1)
+            if cols[3] == "0A" and int(port_hex, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_without_a_build_remoting_is_not_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("APIRCTL_CACHE_DIR", str(tmp_path / "empty-cache"))
+    monkeypatch.delenv("APIRCTL_LLAMA_BUILD", raising=False)
+    assert rpc_server.status().state == MachineState.NOT_INSTALLED
+    result = cli("machine", "status", "--json")
+    assert result.returncode == 127, result.stderr
+    data = json.loads(result.stdout)
+    assert data["state_name"] == "not_installed" and "apirctl setup" in data["next_step"]
+    restart = cli("machine", "restart", "--remoting")
+    assert restart.returncode == 127 and "Traceback" not in restart.stderr
+    assert "apirctl setup" in restart.stderr
+
+
+@pytest.mark.integration
+def test_not_running_until_restarted(with_build: object) -> None:
+    result = cli("machine", "status", "--json")
+    assert result.returncode == 11
+    assert "machine restart --remoting" in json.loads(result.stdout)["next_step"]
+
+
+@pytest.mark.integration
+def test_restart_status_logs_stop(with_build: object) -> None:
+    port = free_port()
+    result = cli("machine", "restart", "--remoting", "--port", str(port), "--no-cache", "--json")
+    assert result.returncode == 0, result.stderr
+    record = rpc_server.read_record()
+    assert record is not None and record.port == port and rpc_server.is_backend_process(record.pid)
+    try:
+        assert listeners(port) == {"0100007F"}, "bound to 127.0.0.1 and nothing else"
+        status = cli("machine", "status", "--json")
+        assert status.returncode == 0, status.stdout
+        details = json.loads(status.stdout)["details"]
+        assert details["port"] == port and details["pid"] == record.pid
+        assert details["protocol"].startswith("7.") and "MiB free of" in details["memory"]
+        assert details["device"]  # from the server's own "Devices:" lines
+        assert all(0 < d["free"] <= d["total"] for d in details["memory_bytes"])
+        logs = cli("machine", "logs", "--tail", "100")
+        assert logs.returncode == 0 and "Starting RPC server" in logs.stdout and f"127.0.0.1:{port}" in logs.stdout
+    finally:
+        stopped = cli("machine", "stop", "--json")
+    assert stopped.returncode == 0 and json.loads(stopped.stdout)["state"] == 11
+    assert not rpc_server.is_backend_process(record.pid)
+    assert not listeners(port)
+    assert cli("machine", "status").returncode == 11
+
+
+@pytest.mark.integration
+def test_port_taken_names_the_process_that_holds_it(with_build: object) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import socket,sys,time\n"
+        "s=socket.create_server(('127.0.0.1',0)); print(s.getsockname()[1], flush=True)\n"
+        "sys.stdin.read()\n")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        port = int(holder.stdout.readline())
+        result = cli("machine", "restart", "--remoting", "--port", str(port))
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        first = result.stderr.splitlines()[0]
+        assert f"port {port}" in first and f"pid {holder.pid}" in first and "python" in first.lower()
+        assert rpc_server.read_record() is None, "a failed start leaves no backend behind"
+        assert cli("machine", "status").returncode == 11
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.integration
+def test_failed_restart_keeps_the_backend_that_ran(backend: int) -> None:
+    steps: list[str] = []
+    with pytest.raises(ApirctlError, match="unknown device"):
+        rpc_server.restart(RestartOptions(remoting=True, port=backend, cache=False, device="NO_SUCH_DEVICE"),
+                           progress=steps.append)
+    assert [step.split(" (pid")[0] for step in steps] == [
+        "stopping the running ggml-rpc-server", f"starting ggml-rpc-server on 127.0.0.1:{backend}",
+        "starting the previous ggml-rpc-server again"]
+    status = rpc_server.status()
+    assert status.state == MachineState.READY and status.details["port"] == backend
+
+
+@pytest.mark.integration
+def test_restart_without_remoting_stops_the_backend(backend: int) -> None:
+    record = rpc_server.read_record()
+    assert record is not None
+    assert rpc_server.restart(RestartOptions(remoting=False)).state == MachineState.NOT_RUNNING
+    assert not rpc_server.is_backend_process(record.pid)
+
+
+@pytest.mark.integration
+def test_a_killed_backend_is_reported_down(backend: int) -> None:
+    record = rpc_server.read_record()
+    assert record is not None
+    os.kill(record.pid, 9)
+    deadline = time.monotonic() + 10
+    while rpc_server.is_backend_process(record.pid):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    status = rpc_server.status()
+    assert status.state == MachineState.NOT_RUNNING and "down" in status.summary
+    assert status.next_step and "machine restart --remoting" in status.next_step
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", backend)) != 0
+    back = rpc_server.restart(RestartOptions(remoting=True, port=backend, cache=False))
+    assert back.state == MachineState.READY
+
+
+@pytest.mark.integration
+def test_a_client_that_vanishes_mid_reply_does_not_kill_the_backend(backend: int) -> None:
+    """ggml-rpc-server dies of SIGPIPE when it answers a client that is gone (a killed container),
+    unless it inherits SIGPIPE ignored: apirctl starts it that way."""
+    import struct
+
+    from apirctl.remoting import rpc_client
+
+    record = rpc_server.read_record()
+    assert record is not None
+    hello = struct.pack("<BQ", int(rpc_client.Command.HELLO), rpc_client.CAPS_SIZE) + bytes(rpc_client.CAPS_SIZE)
+    count = struct.pack("<BQ", int(rpc_client.Command.DEVICE_COUNT), 0)
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", backend), timeout=5) as sock:
+            sock.sendall(hello + count * 64)  # queued requests whose answers find the socket closed
+    deadline = time.monotonic() + 10
+    while True:
+        status = rpc_server.status()
+        if status.state == MachineState.READY:
+            break
+        assert rpc_server.is_backend_process(record.pid), "the backend died when its client vanished"
+        assert time.monotonic() < deadline, status.summary
+        time.sleep(0.1)
+    assert rpc_server.is_backend_process(record.pid)
+
+
+def test_only_servers_of_this_backend_count_as_its_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apirctl.podman import servers as podman_servers
+
+    def server(name: str, **extra: object) -> podman_servers.Server:
+        fields: dict = {"name": name, "id": name, "model": "m", "transport": "rpc", "url": "", "state": "running",
+                        "health": "ok", "port": 1} | extra
+        return podman_servers.Server(**fields)
+
+    found = [server("local", rpc_target="10.0.2.2:50052"), server("other-port", rpc_target="10.0.2.2:50999"),
+             server("remote", rpc_backends=["gpu-box:50052"], rpc_target="127.0.0.1:41000"),
+             server("plain", transport="none"), server("stopped", state="exited", rpc_target="10.0.2.2:50052"),
+             server("unlabelled")]
+    monkeypatch.setattr(podman_servers, "list_servers", lambda *_a, **_k: found)
+    assert [s.name for s in rpc_server.rpc_servers(50052)] == ["local", "unlabelled"]
+    assert [s.name for s in rpc_server.rpc_servers()] == ["local", "other-port", "unlabelled"]

@@ -1,0 +1,341 @@
+"""The patched ggml-rpc itself: the Unix-socket + shared-memory transport, with real processes.
+
+These drive the build's `ggml-rpc-server`, `llama-server` and `llama-bench` directly (apirctl's
+own wiring is tested elsewhere): the channel under AddressSanitizer and UndefinedBehaviorSanitizer,
+the same greedy tokens through every transport, a server or client killed mid-run, hostile bytes
+on the socket and in the shared memory, a second client, and another user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from apirctl.build import llamacpp
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
+
+HELLO = 14
+SHM_CAPS_MAGIC = 0x4D485352  # "RSHM", the HELLO capability of the shared-memory transport
+SHM_FILE_MAGIC = 0x4D485347  # "GSHM", the memfd's header
+RING = 64 * 1024
+RING0_HEAD = 256  # offset of ring 0's write position in the control page
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def connects(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def tcp_connects(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str] | None = None
+               ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:  # type: ignore[no-untyped-def]
+    """A ggml-rpc-server on the CPU; yields (process, the client's endpoint, its log)."""
+    log = workdir / f"rpc-{endpoint}.log"
+    port = 0
+    if endpoint == "unix":
+        path = workdir / "rpc.sock"
+        host, client = ["-H", f"unix:{path}"], f"unix:{path}"
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        host, client = ["-H", "127.0.0.1", "-p", str(port)], f"127.0.0.1:{port}"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(build.binary("ggml-rpc-server")), *host, "-d", "CPU", "-t", "1"],
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        if endpoint == "unix":
+            wait_for(lambda: path.exists() and connects(path), 60, "the rpc server's socket")
+        else:
+            wait_for(lambda: tcp_connects(port), 60, "the rpc server")
+        yield proc, client, log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@contextlib.contextmanager
+def llama_server(build, model: Path, workdir: Path, rpc: str | None  # type: ignore[no-untyped-def]
+                 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = [str(build.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-t", "1", "-c", "512", "--no-warmup"]
+    args += ["--rpc", rpc, "-ngl", "99", "-dev", "RPC0"] if rpc else ["-ngl", "0"]
+    log = workdir / f"llama-server-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_for(healthy, 180, "llama-server")
+        yield proc, url, log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def greedy_tokens(url: str, n: int = 24) -> list[int]:
+    body = json.dumps({"prompt": "The three primary colours are", "n_predict": n, "temperature": 0,
+                       "top_k": 1, "seed": 7, "cache_prompt": False, "return_tokens": True}).encode()
+    req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        answer = json.load(r)
+    tokens = answer["tokens"]
+    assert len(tokens) == n, answer
+    return [int(t) for t in tokens]
+
+
+def hello(sock: socket.socket, caps: bytes = bytes(24)) -> bytes:
+    sock.sendall(bytes([HELLO]) + struct.pack("<Q", len(caps)) + caps)
+    (size,) = struct.unpack("<Q", recv_exact(sock, 8))
+    return recv_exact(sock, size)
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def shm_caps(ring: int = RING) -> bytes:
+    return struct.pack("<IIQQ", SHM_CAPS_MAGIC, 1, ring, 0)
+
+
+def sealed_memfd(ring: int = RING, size: int | None = None, seal: bool = True) -> int:
+    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size if size is not None else 4096 + 2 * ring)
+    with mmap.mmap(fd, 4096) as page:
+        page[0:16] = struct.pack("<IIQ", SHM_FILE_MAGIC, 1, ring)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def shm_session(path: Path, fd: int) -> tuple[socket.socket, int]:
+    """HELLO with the shared-memory capability, then pass fd; returns the socket and the server's ack."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(path))
+    answer = hello(s, shm_caps())
+    assert struct.unpack_from("<I", answer, len(answer) - 24)[0] == SHM_CAPS_MAGIC  # the server offers it
+    socket.send_fds(s, [b"F"], [fd])
+    return s, recv_exact(s, 1)[0]
+
+
+def bench_ok(build, model: Path, endpoint: str) -> None:  # type: ignore[no-untyped-def]
+    done = subprocess.run([str(build.binary("llama-bench")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
+                           "-dev", "RPC0", "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-o", "json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)[0]["n_gen"] == 4
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    d = tmp_path / "rpc"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_channel_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path) -> None:
+    """Streams larger than a ring, wrap-around, a dying peer, bad memfds, a hostile control page."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    src = llamacpp.source_dir()
+    test_cpp = Path(llamacpp.patch_series()[0]).parent / "tests" / "shm_channel_test.cpp"
+    exe = tmp_path / "shm_channel_test"
+    build = subprocess.run(
+        [compiler, "-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror",
+         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+         f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/src/ggml-rpc'}",
+         str(test_cpp), str(src / "ggml/src/ggml-rpc/transport-shm.cpp"), "-o", str(exe), "-lpthread"],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(exe), "400"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1"})
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "all shm channel checks passed" in run.stdout
+    assert "hostile peer: 400 rounds" in run.stdout
+    fuzz = subprocess.run([str(exe), "fuzz", "3000", "7"], capture_output=True, text=True, timeout=300)
+    assert fuzz.returncode == 0, fuzz.stdout + fuzz.stderr[-3000:]
+    assert "fuzz: 3000 generated cases" in fuzz.stdout and ", 0 unexpected results" in fuzz.stdout
+
+
+def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model: Path, workdir: Path) -> None:
+    with llama_server(llama_build, demo_model, workdir, rpc=None) as (_, url, _log):
+        native = greedy_tokens(url)
+    with rpc_server(llama_build, workdir, "tcp") as (_, endpoint, _log), \
+            llama_server(llama_build, demo_model, workdir, rpc=endpoint) as (_, url, _log2):
+        tcp = greedy_tokens(url)
+    with rpc_server(llama_build, workdir, "unix") as (_, endpoint, log), \
+            llama_server(llama_build, demo_model, workdir, rpc=endpoint) as (_, url, _log2):
+        shm = greedy_tokens(url)
+        assert b"RPC: shared-memory transport" in log.read_bytes()
+    assert tcp == native
+    assert shm == native
+
+
+def test_server_killed_mid_decode_fails_the_client_fast(llama_build, demo_model: Path, workdir: Path) -> None:
+    with rpc_server(llama_build, workdir) as (server, endpoint, _log), \
+            llama_server(llama_build, demo_model, workdir, rpc=endpoint) as (client, url, log):
+        body = json.dumps({"prompt": "Count:", "n_predict": 4000, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        with contextlib.suppress(OSError), urllib.request.urlopen(req, timeout=60) as stream:
+            stream.readline()  # the first token is out: decoding is under way
+            server.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            client.wait(timeout=30)
+        assert client.poll() is not None, "llama-server hung after its backend died"
+        assert time.monotonic() - killed < 30
+        assert "Remote RPC server crashed" in log.read_text(errors="replace")
+
+
+def test_killed_client_leaves_the_server_serving(llama_build, demo_model: Path, workdir: Path) -> None:
+    with rpc_server(llama_build, workdir) as (server, endpoint, log):
+        client = subprocess.Popen([str(llama_build.binary("llama-bench")), "-m", str(demo_model), "--rpc", endpoint,
+                                   "-ngl", "99", "-dev", "RPC0", "-p", "0", "-n", "2000", "-r", "1", "-t", "1"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: log.read_bytes().count(b"shared-memory transport") >= 3, 120, "the bench to be running")
+        client.kill()
+        client.wait()
+        wait_for(lambda: log.read_bytes().endswith(b"Client connection closed\n"), 30, "the server to drop it")
+        assert server.poll() is None
+        bench_ok(llama_build, demo_model, endpoint)
+
+
+def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_model: Path, workdir: Path) -> None:
+    with rpc_server(llama_build, workdir) as (server, endpoint, log):
+        path = Path(endpoint.removeprefix("unix:"))
+        # garbage instead of HELLO, and a truncated HELLO
+        for junk in (os.urandom(4096), bytes([HELLO]) + struct.pack("<Q", 24) + b"\0" * 5):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(str(path))
+                s.sendall(junk)
+        # memfds the server must refuse: not sealed, of the wrong size, a ring size it does not accept
+        for fd in (sealed_memfd(seal=False), sealed_memfd(size=4096 + RING)):
+            s, ack = shm_session(path, fd)
+            os.close(fd)
+            assert ack == 0
+            s.close()
+        # accepted memfds, then: a write position far beyond the ring, an unknown command, a
+        # command whose payload size is absurd, and a truncated frame followed by a hang-up
+        # (the server drops each of these by itself, except the truncated frame, which waits for us)
+        frames = [None, bytes([200]), bytes([6]) + struct.pack("<Q", 1 << 62), bytes([6]) + struct.pack("<Q", 1000)]
+        for i, frame in enumerate(frames):
+            fd = sealed_memfd()
+            s, ack = shm_session(path, fd)
+            assert ack == 1
+            with mmap.mmap(fd, 4096 + 2 * RING) as m:
+                if frame is None:
+                    m[RING0_HEAD:RING0_HEAD + 8] = struct.pack("<Q", 1 << 40)
+                else:
+                    m[4096:4096 + len(frame)] = frame
+                    m[RING0_HEAD:RING0_HEAD + 8] = struct.pack("<Q", len(frame))
+            if i < 3:
+                closed = 4 + i + 1
+                wait_for(lambda n=closed: log.read_bytes().count(b"Client connection closed") >= n, 30,
+                         "the server to drop the hostile client")
+            os.close(fd)
+            s.close()
+            assert server.poll() is None, log.read_text(errors="replace")[-2000:]
+        wait_for(lambda: log.read_bytes().count(b"Client connection closed") >= 8, 30, "every hostile client dropped")
+        assert server.poll() is None
+        text = log.read_text(errors="replace")
+        assert "not sealed against resizing" in text
+        assert "not a file of the agreed size" in text
+        assert "corrupted the ring's write position" in text
+        bench_ok(llama_build, demo_model, endpoint)
+
+
+def test_a_second_client_is_queued_until_the_first_leaves(llama_build, workdir: Path) -> None:
+    with rpc_server(llama_build, workdir) as (_, endpoint, _log):
+        path = endpoint.removeprefix("unix:")
+        first = socket.socket(socket.AF_UNIX)
+        first.connect(path)
+        hello(first)
+        second = socket.socket(socket.AF_UNIX)
+        second.connect(path)
+        second.settimeout(1.0)
+        with pytest.raises(TimeoutError):
+            hello(second)  # queued behind the first: no answer yet
+        first.close()
+        second.settimeout(30)
+        (size,) = struct.unpack("<Q", recv_exact(second, 8))  # its HELLO, answered now
+        assert recv_exact(second, size)[0] == 7  # protocol major version
+        second.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as another user")
+def test_another_user_cannot_connect(llama_build) -> None:  # type: ignore[no-untyped-def]
+    system_python = shutil.which("python3", path="/usr/bin:/bin")  # one that `nobody` may run
+    if system_python is None:
+        pytest.skip("no system python3 for the other user")
+    # a directory everyone may enter: only the socket's own mode keeps the other user out
+    open_dir = Path(tempfile.mkdtemp(prefix="apirctl-rpc-open-", dir="/tmp"))
+    open_dir.chmod(0o755)
+    try:
+        with rpc_server(llama_build, open_dir) as (server, endpoint, _log):
+            path = endpoint.removeprefix("unix:")
+            assert os.stat(path).st_mode & 0o777 == 0o600
+            code = (f"import os, socket; print(sorted(os.listdir({str(open_dir)!r}))); "
+                    f"socket.socket(socket.AF_UNIX).connect({path!r})")
+            probe = subprocess.run([system_python, "-c", code], user="nobody", capture_output=True, text=True,
+                                   timeout=30, cwd="/")
+            assert "rpc.sock" in probe.stdout  # it can see the socket...
+            assert probe.returncode != 0  # ...and cannot connect to it
+            assert "PermissionError" in probe.stderr
+            assert server.poll() is None
+    finally:
+        shutil.rmtree(open_dir, ignore_errors=True)

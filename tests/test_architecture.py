@@ -1,0 +1,158 @@
+"""The package's shape, read from its source with `ast`: imports run one way, with no cycle.
+
+Only module-level imports count as edges (those under `if TYPE_CHECKING:` are for the type checker
+and never run). Late imports of apirctl's own modules are allowed only where they protect start-up:
+the CLI's command bodies, the resident process, and the one place that picks the platform's machine.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "apirctl"
+
+#: Where a function may import apirctl's own modules (see the module docstring).
+LATE_IMPORTS_ALLOWED = ("apirctl.cli", "apirctl.resident", "apirctl.remoting.machines")
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(node: ast.stmt) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _targets(module: str, node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The apirctl modules an import statement loads (a name from a package may be a submodule)."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = node.module or ""
+        if node.level:
+            package = module.split(".") if MODULES[module].name == "__init__.py" else module.split(".")[:-1]
+            package = package[: len(package) - (node.level - 1)]
+            base = ".".join([*package, base] if base else package)
+        names = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base for alias in node.names]
+    return {name for name in names if name in MODULES and name != module}
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and not _is_type_checking(node):
+            pending += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            pending += node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+    return found
+
+
+def _late_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    late: list[ast.Import | ast.ImportFrom] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            late += [sub for sub in ast.walk(node) if isinstance(sub, (ast.Import, ast.ImportFrom))]
+    return late
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        graph[module] = set().union(*(_targets(module, node) for node in _module_level_imports(tree)))
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path (first module repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return [*path[path.index(target):], target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_the_walk_sees_the_package() -> None:
+    graph = _graph()
+    assert {"apirctl.cli.root", "apirctl.serve", "apirctl.podman.engine", "apirctl.apir.wire"} <= set(graph)
+    assert "apirctl.podman.containers" in graph["apirctl.serve.starting"]  # a known edge, so edges are read
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_no_import_cycles() -> None:
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _package(module: str) -> str:
+    """apirctl.serve.servers -> serve; a top-level module (apirctl.errors) is its own unit."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_packages_import_one_way() -> None:
+    packages: dict[str, set[str]] = {}
+    for module, targets in _graph().items():
+        packages.setdefault(_package(module), set()).update(
+            _package(t) for t in targets if _package(t) != _package(module))
+    cycle = _cycle(packages)
+    assert cycle is None, "packages import each other: " + " -> ".join(cycle or [])
+
+
+def test_apir_imports_nothing_outside_itself() -> None:
+    outside = {module: sorted(t for t in targets if not t.startswith("apirctl.apir"))
+               for module, targets in _graph().items() if module.startswith("apirctl.apir")}
+    assert {module: found for module, found in outside.items() if found} == {}
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith(LATE_IMPORTS_ALLOWED)))
+def test_library_imports_its_own_modules_at_the_top(module: str) -> None:
+    tree = ast.parse(MODULES[module].read_text())
+    late = [f"line {node.lineno}: {ast.unparse(node)}" for node in _late_imports(tree) if _targets(module, node)
+            or (isinstance(node, ast.ImportFrom) and node.level)]
+    assert late == []
+
+
+def test_library_does_not_import_the_cli() -> None:
+    users = {module for module, targets in _graph().items()
+             if not module.startswith(("apirctl.cli", "apirctl.resident", "apirctl.__main__"))
+             and any(t.startswith("apirctl.cli") for t in targets)}
+    assert users == set()
