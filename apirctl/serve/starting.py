@@ -437,17 +437,22 @@ def _target(plan: Plan) -> str:
     return args[args.index("--rpc") + 1] if "--rpc" in args[:-1] else ""
 
 
-def _remove_failed(api: PodmanApi, container_id: str, attempts: int = 4) -> None:
+def _remove_failed(api: PodmanApi, container_id: str, patience: float = 20.0) -> None:
     """Remove a container that failed or was interrupted. Podman 4.3 can refuse a removal while the
-    container is still being stopped or cleaned up (seen under load after Ctrl-C during loading), so
-    a refusal is retried; the error being reported matters more than a failed clean-up."""
-    for attempt in range(attempts):
+    container is still being started, stopped or cleaned up (seen under load after Ctrl-C during
+    loading, for several seconds), so a refusal is retried until `patience` runs out; the error
+    being reported matters more than a failed clean-up."""
+    deadline = time.monotonic() + patience
+    pause = 0.25
+    while True:
         try:
             api.remove(container_id, timeout=2)
             return
         except Exception:  # noqa: BLE001 - retried, then given up on: the original error is raised
-            if attempt + 1 < attempts:
-                time.sleep(0.5 * (attempt + 1))
+            if time.monotonic() + pause > deadline:
+                return
+            time.sleep(pause)
+            pause = min(pause * 2, 2.0)
 
 
 def _remove_if_ours(api: PodmanApi, name: str, tracking: str) -> None:

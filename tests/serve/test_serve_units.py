@@ -14,6 +14,7 @@ from apirctl.cli.serve import _uptime
 from apirctl.errors import ApirctlError
 from apirctl.remoting import transport
 from apirctl.serve import inputs, starting
+from tests.support.podman_double import MemoryPodman
 
 
 @pytest.mark.parametrize(("host_ip", "url"), [
@@ -84,3 +85,35 @@ def test_uptime_reads_like_podman() -> None:
     assert _uptime(now - timedelta(hours=2, minutes=13), "running") == "2h13m"
     assert _uptime(now - timedelta(days=3, hours=1), "running") == "3d1h"
     assert _uptime(now, "exited") == "-"
+
+
+class _BusyPodman(MemoryPodman):
+    """Podman 4.3 under load: a removal is refused while the container is still being stopped."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    def remove(self, container_id: str, timeout: int = 10) -> None:
+        if self.refusals > 0:
+            self.refusals -= 1
+            raise ApirctlError("container is being stopped: cannot remove")
+        super().remove(container_id, timeout)
+
+
+def test_a_failed_container_is_removed_after_podman_refused_for_a_while(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(starting.time, "sleep", lambda _s: None)
+    api = _BusyPodman(refusals=6)  # 4 tries were given up on before; it took longer than that in CI
+    cid = api.add("busy", {}, state="stopping")
+    starting._remove_failed(api, cid)
+    assert not api.exists("containers", cid)
+
+
+def test_removal_gives_up_when_podman_keeps_refusing(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(starting.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(starting.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    api = _BusyPodman(refusals=10**6)
+    cid = api.add("stuck", {}, state="stopping")
+    starting._remove_failed(api, cid, patience=5.0)  # returns: the serve error matters more
+    assert api.exists("containers", cid) and clock[0] <= 5.0
