@@ -259,7 +259,9 @@ def ps(
 ) -> None:
     """List inference servers: apirctl's and the upstream Podman Desktop extension's (by label).
 
-    HEALTH is llama-server's /health, asked now: ok, loading, error or unreachable. TRANSPORT is
+    HEALTH is llama-server's /health, asked now: ok, loading, error or unreachable, or what keeps
+    it from serving (an rpc backend down or restarted under it); for a stopped server, its exit code
+    and why (`--json`: `why`). TRANSPORT is
     none, virtgpu, or rpc with its link: rpc-shm (a backend of its own, shared memory),
     rpc-unix (its own backend, on the socket) or rpc-tcp (the shared or a remote TCP backend).
     """
@@ -276,8 +278,8 @@ def ps(
         console().print("no inference servers" + ("" if all_ else " running (`apirctl ps -a` shows stopped ones)"))
         return
     header = ("NAME", "MODEL", "TRANSPORT", "URL", "STATE", "HEALTH", "UPTIME")
-    rows = [(s.name, s.model, s.transport_name, s.url, s.state, s.health, _uptime(s.created, s.state))
-            for s in servers]
+    rows = [(s.name, s.model, s.transport_name, s.url, s.state, s.health if s.running else s.why or s.health,
+             _uptime(s.created, s.state)) for s in servers]
     if not console().is_terminal:  # pipes get plain aligned columns, never wrapped or cut
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
         for row in [header, *rows]:

@@ -67,6 +67,8 @@ class Server(BaseModel):
     rpc_link: str = ""  # rpc: tcp, unix, or shm (unix upgraded to shared memory, known from the backend)
     rpc_instance: str = ""  # rpc: the backend instance it was started against
     started: float | None = None  # when its container last started (Unix seconds), where Podman says
+    exit_code: int | None = None  # Podman's, for a container that exited
+    why: str = ""  # why it does not serve, when apirctl knows: a health problem, or what it exited of
 
     @property
     def transport_name(self) -> str:
@@ -126,7 +128,14 @@ def from_listed(item: dict[str, Any]) -> Server:
         rpc_link=labels.get(L_RPC_LINK, ""),
         rpc_instance=labels.get(L_RPC_INSTANCE, ""),
         started=_started(item),
+        exit_code=_exit_code(item),
     )
+
+
+def _exit_code(item: dict[str, Any]) -> int | None:
+    value = item.get("ExitCode")
+    exited = item.get("Exited") or item.get("State") in ("exited", "stopped")
+    return value if exited and isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _started(item: dict[str, Any]) -> float | None:

@@ -197,23 +197,44 @@ def _failure_line() -> str:
 
 
 def _listing() -> list[Server] | None:
+    """apirctl's servers, stopped ones too (a server that exited with its backend needs a restart)."""
     try:
-        return podman_servers.list_servers()
+        return podman_servers.list_servers(all=True)
     except Exception:  # noqa: BLE001 - status must answer even when Podman does not
         return None
 
 
+def _on_host_backend(server: Server) -> bool:
+    """Started against an instance of apirctl's host TCP backend (its label names which), on
+    whatever port or socket that backend listens now."""
+    return (server.transport == "rpc" and server.rpc_link == "tcp" and not server.rpc_backends
+            and bool(server.rpc_instance))
+
+
 def rpc_servers(port: int | None = None, found: list[Server] | None = None) -> list[Server]:
     """Running inference servers that use this host's remoting: those with a backend of their own
-    (`apirctl.remoting.backends`), and those on the shared TCP backend (on `port` when given).
+    (`apirctl.remoting.backends`), those started against any instance of the host TCP backend
+    (their label says so, whatever port it had), and unlabelled ones on `port` when given.
 
-    Servers of other backends (`--rpc-backend`, or a backend on another port) are not its users.
-    Empty when Podman cannot be asked.
+    Servers of other backends (`--rpc-backend`, or an unlabelled one on another port) are not its
+    users. Empty when Podman cannot be asked.
     """
     found = _listing() if found is None else found
     return [s for s in found or [] if s.transport == "rpc" and s.state == "running" and not s.rpc_backends
-            and (s.rpc_link in ("unix", "shm") or port is None or not s.rpc_target
+            and (s.rpc_link in ("unix", "shm") or _on_host_backend(s) or port is None or not s.rpc_target
                  or s.rpc_target.rsplit(":", 1)[-1] == str(port))]
+
+
+def moved(server: Server, record: BackendRecord) -> str | None:
+    """How the host backend changed under a server started against an earlier instance of it, when
+    restarting its container cannot reconnect it (its `--rpc` address is fixed at create): the
+    backend now listens on another port, or on a Unix socket. None when only the instance changed."""
+    old = server.rpc_target.rsplit(":", 1)[-1]
+    if record.listen == "unix":
+        return f"the backend moved from tcp port {old} to a Unix socket"
+    if old != str(record.port):
+        return f"the backend moved from tcp port {old} to {record.port}"
+    return None
 
 
 def backend_problem(instance: str = "", link: str = "", started: float | None = None) -> str | None:
@@ -328,6 +349,7 @@ def status(name: str | None = None) -> MachineStatus:
         return _st(MachineState.NOT_RUNNING, "the host RPC backend is not running", RESTART_HINT, backends=own)
     common = {"pid": record.pid, "listen": record.listen, **_where(record), "endpoint": record.endpoint,
               "instance": record.instance or None, "log": record.log, "backends": own}
+    common["servers"] = server_lines(found or [], record) or None
     if not is_backend_process(record.pid):
         return _st(MachineState.NOT_RUNNING,
                    f"the host RPC backend is down: pid {record.pid} was killed or exited "
@@ -337,6 +359,8 @@ def status(name: str | None = None) -> MachineStatus:
     uptime = _uptime(time.time() - record.started_at)
     devices = _devices_from_log()
     servers, orphans = _split(rpc_servers(record.port if record.listen == "tcp" else None, found), record)
+    orphans += [s for s in found or [] if s.state == "exited" and _on_host_backend(s)
+                and _restarted_under(s.rpc_instance, s.started, record)]
     serving = ", ".join(s.name for s in servers) or None
     if orphans:
         common["restart"] = ", ".join(s.name for s in orphans)
@@ -365,6 +389,33 @@ def status(name: str | None = None) -> MachineStatus:
     return _st(state, summary, None, **details)
 
 
+def server_lines(found: list[Server], record: BackendRecord) -> list[str]:
+    """One line per server of this host's remoting, running or exited: "NAME: serving (rpc-tcp)",
+    "NAME: rpc backend restarted: restart this server", "NAME: exited (code 134): ..." (`machine
+    status` shows them; its --json has them under `servers`)."""
+    alive = is_backend_process(record.pid)
+    lines = []
+    for server in found:
+        own = server.rpc_link in ("unix", "shm") and bool(server.rpc_instance)
+        if server.transport != "rpc" or server.rpc_backends or not (own or _on_host_backend(server)):
+            continue
+        exited = f"exited (code {server.exit_code})" if server.exit_code is not None else server.state
+        if own:
+            problem = backends.problem(server.rpc_instance) if server.running else None
+            said = f"serving (rpc-{server.rpc_link}, a backend of its own)" if server.running else exited
+            lines.append(f"{server.name}: {problem or said}")
+        elif not alive:
+            down = "rpc backend down: it aborts at its next request" if server.running else exited
+            lines.append(f"{server.name}: {down}; restart it after the backend")
+        elif _restarted_under(server.rpc_instance, server.started, record):
+            where = moved(server, record)
+            fix = f"{where}: stop it and serve it again" if where else "restart this server"
+            lines.append(f"{server.name}: {'' if server.running else exited + ': '}rpc backend restarted: {fix}")
+        else:
+            lines.append(f"{server.name}: {'serving (rpc-tcp)' if server.running else exited}")
+    return lines
+
+
 def servers(name: str | None = None) -> list[Server]:
     """The running inference servers that use this host's remoting (`machine stop --force` stops them
     first): those on the host backend and those with a backend of their own."""
@@ -374,18 +425,29 @@ def servers(name: str | None = None) -> list[Server]:
 
 def stale_servers() -> list[Server]:
     """Servers started against an earlier instance of the TCP host backend, running (their link is
-    dead) or exited (llama-server aborts at its first request after the backend went away): what
-    `machine restart --remoting --restart-servers` restarts. Empty when no backend runs."""
+    dead) or exited (llama-server aborts at its first request after the backend went away), with
+    `why` saying so: what `machine restart --remoting --restart-servers` restarts. The backend may
+    have come back on another port or on a Unix socket: such servers are stale too. Empty when no
+    backend runs."""
     record = read_record()
-    if record is None or record.listen != "tcp" or not is_backend_process(record.pid):
+    if record is None or not is_backend_process(record.pid):
         return []
     try:
         found = podman_servers.list_servers(all=True)
     except Exception:  # noqa: BLE001 - as status: no Podman, nothing to restart
         return []
-    return [s for s in found if s.managed and s.transport == "rpc" and s.rpc_link == "tcp" and not s.rpc_backends
-            and s.state in ("running", "exited") and s.rpc_target.rsplit(":", 1)[-1] == str(record.port)
-            and _restarted_under(s.rpc_instance, s.started, record)]
+    stale = [s for s in found if s.managed and _on_host_backend(s) and s.state in ("running", "exited")
+             and _restarted_under(s.rpc_instance, s.started, record)]
+    for server in stale:
+        server.why = _stale_why(server, record)
+    return stale
+
+
+def _stale_why(server: Server, record: BackendRecord) -> str:
+    exited = " (it exited)" if server.state == "exited" else ""
+    why = f"started against the previous backend, its connection is dead{exited}"
+    where = moved(server, record)
+    return f"{why}; {where}: stop it and serve it again" if where else f"{why}: restart it"
 
 
 def _refuse_if_used(action: str) -> None:

@@ -93,7 +93,18 @@ def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]: 
         for server in servers:
             if server.running:
                 server.health = _health_of(server)
+            server.why = _why(server)
     return servers
+
+
+def _why(server: Server) -> str:
+    """Why a server does not serve, in one line (`ps --json` has it; `ps` shows it for stopped ones):
+    its health problem while it runs; what it exited with, and for rpc what became of its backend."""
+    if server.running:
+        return "" if server.health in ("ok", "loading") else server.health
+    said = f"exited (code {server.exit_code})" if server.exit_code is not None else server.state
+    problem = _rpc_problem(server) if server.transport == "rpc" and server.rpc_link == "tcp" else None
+    return f"{said}: {problem}" if problem else said
 
 
 def _health_of(server: Server) -> str:

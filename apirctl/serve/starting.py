@@ -541,6 +541,11 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
     server = find_server(name, all=True)
     if not server.managed:
         raise ApirctlError(f"{name} was not started by apirctl", hint="restart it where it was started")
+    record = rpc_server.read_record() if server.transport == "rpc" and server.rpc_link == "tcp" else None
+    where = rpc_server.moved(server, record) if record is not None and server.rpc_instance else None
+    if where and record is not None and server.rpc_instance != record.instance:
+        raise ApirctlError(f"{name}: {where}, and its container dials the old address",
+                           hint=f"`apirctl stop {name}`, then serve it again")
     api = containers.connect()
     say(f"stopping {server.name}")
     api.stop(server.id, timeout=STOP_TIMEOUT)

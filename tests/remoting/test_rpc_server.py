@@ -181,3 +181,47 @@ def test_only_servers_of_this_backend_count_as_its_users(monkeypatch: pytest.Mon
     monkeypatch.setattr(podman_servers, "list_servers", lambda *_a, **_k: found)
     assert [s.name for s in rpc_server.rpc_servers(50052)] == ["local", "unlabelled"]
     assert [s.name for s in rpc_server.rpc_servers()] == ["local", "other-port", "unlabelled"]
+
+
+@pytest.mark.parametrize(("listen", "port", "says"), [
+    ("tcp", 50052, None),
+    ("tcp", 50060, "the backend moved from tcp port 50052 to 50060"),
+    ("unix", 0, "the backend moved from tcp port 50052 to a Unix socket"),
+], ids=["same-port", "other-port", "unix"])
+def test_a_backend_restarted_elsewhere_leaves_its_servers_stale(monkeypatch: pytest.MonkeyPatch, listen: str,
+                                                                port: int, says: str | None) -> None:
+    """Servers labelled with an earlier instance are stale wherever the backend came back; those
+    whose container dials a port the backend left need a new container, not a restart."""
+    from apirctl.podman import servers as podman_servers
+
+    record = rpc_server.BackendRecord(pid=os.getpid(), listen=listen, port=port, instance="new", log="x",
+                                      started_at=time.time(), binary="x",
+                                      socket="/run/x/rpc.sock" if listen == "unix" else None)
+
+    def server(name: str, **extra: object) -> podman_servers.Server:
+        fields: dict = {"name": name, "id": name, "model": "m", "transport": "rpc", "url": "", "state": "running",
+                        "health": "ok", "port": 1, "rpc_link": "tcp", "rpc_target": "10.0.2.2:50052",
+                        "rpc_instance": "old", "started": time.time() - 60} | extra
+        return podman_servers.Server(**fields)
+
+    found = [server("stale"), server("dead", state="exited", exit_code=134),
+             server("current", rpc_instance="new", rpc_target=f"10.0.2.2:{port}"),
+             server("explicit", rpc_backends=["127.0.0.1:50052"], rpc_instance=""),
+             server("unlabelled", rpc_instance="")]
+    monkeypatch.setattr(podman_servers, "list_servers", lambda *_a, **_k: found)
+    monkeypatch.setattr(rpc_server, "read_record", lambda: record)
+    monkeypatch.setattr(rpc_server, "is_backend_process", lambda pid: pid == os.getpid())
+    stale = rpc_server.stale_servers()
+    assert [s.name for s in stale] == ["stale", "dead"]
+    for s in stale:
+        assert s.why.startswith("started against the previous backend, its connection is dead")
+        assert s.why.endswith(f"{says}: stop it and serve it again" if says else ": restart it"), s.why
+    lines = rpc_server.server_lines(found, record)
+    fix = f"{says}: stop it and serve it again" if says else "restart this server"
+    assert f"stale: rpc backend restarted: {fix}" in lines
+    assert f"dead: exited (code 134): rpc backend restarted: {fix}" in lines
+    assert "current: serving (rpc-tcp)" in lines and not [line for line in lines if "explicit" in line]
+    monkeypatch.setattr(rpc_server, "is_backend_process", lambda pid: False)
+    assert rpc_server.stale_servers() == []  # nothing to restart against
+    assert "stale: rpc backend down: it aborts at its next request; restart it after the backend" in \
+        rpc_server.server_lines(found, record)

@@ -133,7 +133,7 @@ def test_keep_leaves_the_failed_container_for_inspection(
     assert done.returncode == 1
     ps = json.loads(apirctl("ps", "--all", "--json").stdout)
     row = next(s for s in ps if s["name"] == name)
-    assert row["state"] == "exited" and row["health"] == "-"
+    assert row["state"] == "exited" and row["health"] == "-" and row["why"] == "exited (code 1)"
     assert name not in [s["name"] for s in json.loads(apirctl("ps", "--json").stdout)]
     logs = apirctl("logs", name)
     assert "--no-such-flag" in logs.stdout
