@@ -9,6 +9,7 @@ import typer
 
 if TYPE_CHECKING:
     from apirctl.machine import MachineStatus
+    from apirctl.podman.servers import Server
 
 app = typer.Typer(
     help=(
@@ -88,7 +89,7 @@ def restart(
     restart_servers: bool = typer.Option(
         False, "--restart-servers",
         help="Linux: then restart the inference servers started against the previous backend (they do not "
-        "reconnect by themselves).",
+        "reconnect by themselves). Without it, a terminal is asked; a script is told which servers and this flag.",
     ),
     json_out: bool = typer.Option(False, "--json", help="Print the resulting state as JSON."),
 ) -> None:
@@ -111,29 +112,56 @@ def restart(
 
     with err_console().status("restarting") as shown:
         result = machines.current().restart(options, progress=shown.update)
-        stale = {s.name: s.state for s in machines.current().stale_servers()}
-        if stale and restart_servers:
-            from apirctl import serve
-
-            failed = []
-            for server in stale:
-                try:
-                    serve.restart(server, progress=shown.update)
-                except ApirctlError as exc:  # the others are still restarted; this one is named below
-                    failed.append(f"{server} ({exc})")
-            result = machines.current().status(name)
-            if failed:
-                _print(result, json_out)
-                raise ApirctlError(f"could not restart {'; '.join(failed)}",
-                                   hint="see `apirctl logs NAME`; or `apirctl stop NAME`, then serve it again")
+        stale = machines.current().stale_servers()
+    if stale and not restart_servers:
+        for server in stale:
+            err_console().print(f"{server.name}: {server.why}", soft_wrap=True, highlight=False, markup=False)
+        # a server whose backend moved (another port, a Unix socket) needs a new container, not a restart
+        if not json_out and any(not _needs_new_container(s) for s in stale):
+            restart_servers = _ask("restart them now?")
+        if not restart_servers:
+            err_console().print("[dim]hint: `apirctl machine restart --remoting --restart-servers` restarts them "
+                                "(or `apirctl stop NAME`, then serve it again)[/]", soft_wrap=True)
+    if stale and restart_servers:
+        failed = _restart_servers([s.name for s in stale if not _needs_new_container(s)])
+        failed += [f"{s.name} ({s.why})" for s in stale if _needs_new_container(s)]
+        result = machines.current().status(name)
+        if failed:
+            _print(result, json_out)
+            raise ApirctlError(f"could not restart {'; '.join(failed)}",
+                               hint="see `apirctl logs NAME`; or `apirctl stop NAME`, then serve it again")
     _print(result, json_out)
-    if stale and not restart_servers and not json_out:
-        for server, state in stale.items():
-            err_console().print(f"{server}: started against the previous backend, its connection is dead"
-                                f"{' (it exited)' if state == 'exited' else ''}: restart it",
-                                soft_wrap=True, highlight=False)
-        err_console().print("[dim]hint: `apirctl machine restart --remoting --restart-servers` restarts them "
-                            "(or `apirctl stop NAME`, then serve it again)[/]", soft_wrap=True)
+
+
+def _needs_new_container(server: Server) -> bool:
+    """Its backend moved (another port, a Unix socket): its container dials the old address."""
+    return server.why.endswith("serve it again")
+
+
+def _ask(question: str) -> bool:
+    """A yes/no question on a terminal (yes by default); False without one: a script gets the hint."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return False
+    try:
+        return typer.confirm(question, default=True, err=True)
+    except typer.Abort:  # Ctrl-D or Ctrl-C at the question: a no
+        return False
+
+
+def _restart_servers(names: list[str]) -> list[str]:
+    """Restart each server; the ones that failed, with why (the others are still restarted)."""
+    from apirctl import serve
+    from apirctl.cli.output import err_console
+    from apirctl.errors import ApirctlError
+
+    failed = []
+    with err_console().status("restarting servers") as shown:
+        for server in names:
+            try:
+                serve.restart(server, progress=shown.update)
+            except ApirctlError as exc:
+                failed.append(f"{server} ({exc})")
+    return failed
 
 
 @app.command()

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -22,7 +23,7 @@ import httpx
 import pytest
 
 from tests.reliability.test_serve_faults import exists, free_port, port_is_free
-from tests.support.sweep import Outcome, sweep
+from tests.support.sweep import REPO, Outcome, sweep
 
 pytestmark = pytest.mark.integration
 LINUX = {"APIRCTL_PLATFORM": "linux"}
@@ -97,9 +98,11 @@ def test_backend_killed_then_restart_servers(backend: int, demo_model: Path, ser
     plain = machine("restart", "--remoting", "--port", str(backend), "--no-cache").succeeds()
     assert f"{name}: started against the previous backend" in plain.stderr
     assert "--restart-servers" in plain.stderr and "Traceback" not in plain.stderr
-    assert ps_row(name)["health"] == "rpc backend restarted: restart this server"
+    row = ps_row(name)
+    assert row["health"] == row["why"] == "rpc backend restarted: restart this server"
     status = json.loads(machine("status", "--json").stdout)
     assert status["details"]["restart"] == name
+    assert f"{name}: rpc backend restarted: restart this server" in status["details"]["servers"]
 
     fixed = machine("restart", "--remoting", "--port", str(backend), "--no-cache", "--restart-servers").succeeds()
     assert f"serving: {name}" in fixed.stdout and "started against the previous backend" not in fixed.stderr
@@ -111,10 +114,27 @@ def test_backend_killed_then_restart_servers(backend: int, demo_model: Path, ser
     assert row["url"] == url  # same name, same port
     status = json.loads(machine("status", "--json").stdout)
     assert status["details"].get("restart") is None and name in status["details"]["serving"]
+    assert f"{name}: serving (rpc-tcp)" in status["details"]["servers"]
 
 
-def test_a_server_that_exited_with_the_killed_backend_is_restarted_too(backend: int, demo_model: Path,
-                                                                      served: list[str]) -> None:
+def in_a_terminal(*args: str, answer: str) -> tuple[int, str]:
+    """`apirctl ARGS` on a pseudo-terminal, answering its yes/no question with `answer`."""
+    import pexpect
+
+    child = pexpect.spawn(sys.executable, ["-m", "apirctl", *args], env={**os.environ, **LINUX}, cwd=str(REPO),
+                          encoding="utf-8", timeout=300, dimensions=(40, 200))
+    child.expect_exact("restart them now?")
+    shown = f"{child.before}{child.after}"
+    child.sendline(answer)
+    child.expect(pexpect.EOF)
+    child.close()
+    return int(child.exitstatus if child.exitstatus is not None else -1), shown + str(child.before)
+
+
+def test_an_exited_server_is_offered_a_restart_on_a_terminal(backend: int, demo_model: Path,
+                                                             served: list[str]) -> None:
+    """llama-server aborts at its first request after its backend died; on a terminal `machine restart
+    --remoting` names it and asks (no: nothing restarted, the hint; yes: it answers again)."""
     from apirctl.remoting import rpc_server
 
     name = f"rel-rpc-{uuid.uuid4().hex[:6]}"
@@ -129,12 +149,62 @@ def test_a_server_that_exited_with_the_killed_backend_is_restarted_too(backend: 
     with contextlib.suppress(httpx.HTTPError):
         chat(url)  # llama-server finds the backend gone here, aborts, and its container exits
     wait_for("the container to exit", lambda: ps_row_all(name)["state"] == "exited")
+    assert ps_row_all(name)["why"].startswith("exited (code ")
 
-    plain = machine("restart", "--remoting", "--port", str(backend), "--no-cache").succeeds()
-    assert f"{name}: started against the previous backend, its connection is dead (it exited)" in plain.stderr
-    machine("restart", "--remoting", "--port", str(backend), "--no-cache", "--restart-servers").succeeds()
+    restart = ("machine", "restart", "--remoting", "--port", str(backend), "--no-cache")
+    code, shown = in_a_terminal(*restart, answer="n")
+    assert code == 0 and "Traceback" not in shown
+    assert f"{name}: started against the previous backend, its connection is dead (it exited)" in shown
+    assert "--restart-servers" in shown  # the hint, after a no
+    row = ps_row_all(name)
+    assert row["state"] == "exited" and row["why"].endswith(": rpc backend restarted: restart this server")
+    status = json.loads(machine("status", "--json").stdout)
+    assert status["details"]["restart"] == name
+    lines = status["details"]["servers"]
+    assert any(line.startswith(f"{name}: exited (code ") and line.endswith(": rpc backend restarted: restart this "
+                                                                             "server") for line in lines), lines
+
+    code, shown = in_a_terminal(*restart, answer="y")
+    assert code == 0 and "Traceback" not in shown and "--restart-servers" not in shown
     assert chat(url).status_code == 200
     assert ps_row(name)["health"] == "ok"
+
+
+def test_a_backend_back_on_another_port_or_a_socket_leaves_its_servers_stale(backend: int, demo_model: Path,
+                                                                             served: list[str]) -> None:
+    """A server's container dials the backend's old port: a backend back on another port or on a Unix
+    socket is not its backend either. ps, machine status and machine restart say so, and
+    --restart-servers refuses it in one line (a restart would dial the old port again)."""
+    from apirctl.remoting import rpc_server
+
+    name = f"rel-rpc-{uuid.uuid4().hex[:6]}"
+    served.append(name)
+    sweep("serve", str(demo_model), "--transport", "rpc", "--port", str(free_port()), "--name", name,
+          "--json", env=LINUX, timeout=300).succeeds()
+    old = rpc_server.read_record()
+    assert old is not None
+    os.kill(old.pid, signal.SIGKILL)
+    wait_for("the backend to die", lambda: not rpc_server.is_backend_process(old.pid), 10)
+
+    other = free_port()
+    for where, says in ((["--port", str(other)], f"the backend moved from tcp port {backend} to {other}"),
+                        (["--listen", "unix", "--json"],
+                         f"the backend moved from tcp port {backend} to a Unix socket")):
+        plain = machine("restart", "--remoting", *where, "--no-cache").succeeds()
+        if "--json" in where:  # no question, the same lines and hint on stderr; stdout is the state alone
+            assert json.loads(plain.stdout)["details"]["restart"] == name
+        assert f"{name}: started against the previous backend, its connection is dead; {says}: stop it and " \
+               "serve it again" in plain.stderr
+        assert "--restart-servers" in plain.stderr and "Traceback" not in plain.stderr
+        assert ps_row(name)["health"] == "rpc backend restarted: restart this server"
+        status = json.loads(machine("status", "--json").stdout)
+        assert status["details"]["restart"] == name
+        assert f"{name}: rpc backend restarted: {says}: stop it and serve it again" in status["details"]["servers"]
+
+    refused = machine("restart", "--remoting", "--listen", "unix", "--no-cache", "--restart-servers")
+    refused.fails_cleanly(code=1, says=f"could not restart {name} (")
+    assert "a Unix socket: stop it and serve it again" in refused.stderr
+    assert ps_row(name)["state"] == "running"  # not touched: the user decides
 
 
 def ps_row_all(name: str) -> dict[str, Any]:
