@@ -29,6 +29,8 @@ class ProbeResult(BaseModel):
     outcome: str
     detail: str
     as_expected: bool
+    #: What the library wrote to stderr before it crashed (the CLI quotes its most telling line).
+    stderr: str = ""
 
 
 @dataclass
@@ -308,6 +310,7 @@ def run_probe(probe: Probe, library: Path, ggml_library: Path, reg: str) -> Prob
     global _LIBS
     _LIBS = (library, ggml_library, reg)
     outcome: str
+    stderr = ""
     with BackendProcess(timeout=60) as proc:
         ctx = Ctx(proc)
         try:
@@ -324,19 +327,9 @@ def run_probe(probe: Probe, library: Path, ggml_library: Path, reg: str) -> Prob
             outcome, detail = "error", f"could not set the probe up: {exc}"
         except BackendCrashed as exc:
             outcome = "crashed"
-            last = _telling_line(exc.stderr_tail)
-            detail = f"{describe_exit(exc.returncode)} during {exc.call}" + (f": {last[:160]}" if last else "")
+            detail, stderr = f"{describe_exit(exc.returncode)} during {exc.call}", exc.stderr
     return ProbeResult(name=probe.name, what=probe.what, expected=probe.expected, outcome=outcome, detail=detail,
-                       as_expected=outcome in (probe.expected, "skipped"))
-
-
-def _telling_line(stderr: str) -> str:
-    """The library's last complaint before it died, if it said anything."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if any(k in ln for k in ("GGML_ASSERT", "what()", "error", "WARNING", "reading too much")):
-            return ln
-    return lines[-1] if lines else ""
+                       as_expected=outcome in (probe.expected, "skipped"), stderr=stderr)
 
 
 def _setup(ctx: Ctx) -> None:

@@ -71,7 +71,8 @@ class SelftestReport(BaseModel):
     crashed_in: str | None = None
     crash: str | None = None
     error: str | None = None
-    stderr_tail: str = ""
+    #: What the library wrote to stderr (its log; after a crash, its last words).
+    stderr: str = ""
 
 
 def latency(call: str, times_ns: list[int]) -> Latency:
@@ -109,7 +110,7 @@ def run(library: Path, ggml_library: Path, reg: str,
         except HostError as exc:
             report.error = str(exc)
             report.checks.append(Check(name="load", ok=False, detail=str(exc)))
-        report.stderr_tail = proc.stderr_tail()
+        report.stderr = proc.stderr()
     report.ok = (report.crashed_in is None and report.error is None and bool(report.checks)
                  and all(c.ok for c in report.checks))
     return report

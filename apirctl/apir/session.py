@@ -30,14 +30,18 @@ class HostError(Exception):
 class BackendCrashed(Exception):
     """The child hosting the library died (or hung and was killed) while running `call`."""
 
-    def __init__(self, call: str, returncode: int | None, stderr_tail: str, timeout: float | None = None) -> None:
+    def __init__(self, call: str, returncode: int | None, stderr: str, timeout: float | None = None) -> None:
         self.call = call
         self.returncode = returncode
-        self.stderr_tail = stderr_tail
+        self.stderr = stderr
         self.timed_out = timeout is not None
         why = f"no answer in {timeout:g} s, killed" if timeout is not None else describe_exit(returncode)
         verb = "hung" if timeout is not None else "crashed"
         super().__init__(f"the backend library {verb} during {call} ({why})")
+
+
+#: Words of a GGML backend's stderr line that says why it died (for `apirctl.errors.tail(telling=...)`).
+CRASH_WORDS = ("GGML_ASSERT", "what()", "error", "WARNING", "reading too much")
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -73,10 +77,11 @@ class BackendProcess:
                  tb: TracebackType | None) -> None:
         self.close()
 
-    def stderr_tail(self, lines: int = 20) -> str:
+    def stderr(self) -> str:
+        """What the child has written to stderr: the library's own log and its last words. The caller
+        picks the lines it quotes (`apirctl.errors.tail`); this package imports nothing outside itself."""
         self._stderr.seek(0)
-        text = self._stderr.read().decode(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
+        return self._stderr.read().decode(errors="replace")
 
     def _call(self, name: str, header: dict[str, Any], payload: bytes = b"") -> tuple[dict[str, Any], bytes]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -101,7 +106,7 @@ class BackendProcess:
                 rc = self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 rc = None
-            raise BackendCrashed(name, rc, self.stderr_tail(), self.timeout if fired.is_set() else None)
+            raise BackendCrashed(name, rc, self.stderr(), self.timeout if fired.is_set() else None)
         head, body = frame
         if "error" in head:
             raise HostError(f"{name}: {head['error']}")

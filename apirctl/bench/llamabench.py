@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from apirctl.errors import ApirctlError
+from apirctl.errors import ApirctlError, tail
 
 #: Called with (test, repetition, total repetitions) as llama-bench reports them.
 ProgressFn = Callable[[str, int, int], None]
@@ -169,7 +169,7 @@ class ProgressReader:
             self.tail.append(line)
 
     def tail_text(self, lines: int = 5) -> str:
-        return " | ".join(list(self.tail)[-lines:])
+        return " | ".join(tail("\n".join(self.tail), lines).splitlines())
 
 
 def run_process(argv: Sequence[str], params: Params, on_progress: ProgressFn | None = None,

@@ -26,7 +26,7 @@ from pathlib import Path
 from string import Template
 
 from apirctl.build.llamacpp import SOURCE_DIST, SOURCE_VERSION, Build
-from apirctl.errors import ApirctlError
+from apirctl.errors import ApirctlError, tail
 from apirctl.paths import package_data
 from apirctl.podman import engine
 
@@ -190,8 +190,7 @@ def build_image(build: Build, tag: str | None = None) -> str:
                                 str(context / "Containerfile"), str(context)],
                               env=engine.podman_env(), capture_output=True, text=True)
         if proc.returncode != 0:
-            tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-8:])
-            raise ApirctlError(f"podman build of {tag} failed:\n{tail}")
+            raise ApirctlError(f"podman build of {tag} failed:\n{tail(proc.stderr or proc.stdout, 8)}")
     return tag
 
 

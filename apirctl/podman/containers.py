@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
-from apirctl.errors import ApirctlError, last_line
+from apirctl.errors import ApirctlError, tail
 from apirctl.podman import engine, images, libpod
 
 if TYPE_CHECKING:
@@ -319,8 +319,8 @@ def run_once(
             if state.get("Status") not in ACTIVE:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                output = api.logs(container_id, tail=20)
-                raise ApirctlError(f"{spec.image} did not finish in {timeout:g} s: {last_line(output)}")
+                why = tail(api.logs(container_id, tail=20), default="(no output)")
+                raise ApirctlError(f"{spec.image} did not finish in {timeout:g} s: {why}")
             time.sleep(0.05)
         output = api.logs(container_id)
         if pump is not None and on_line is not None:

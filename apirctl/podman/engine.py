@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, Field
 
 from apirctl import host
-from apirctl.errors import MISSING, ApirctlError, last_line
+from apirctl.errors import MISSING, ApirctlError, tail
 from apirctl.paths import dirs, ensure
 
 if TYPE_CHECKING:
@@ -192,24 +192,24 @@ def runtime_decision(refresh: bool = False) -> RuntimeDecision:
                 raise ApirctlError(
                     "containers cannot start with the default settings and runc is not installed",
                     hint="install runc (`sudo apt-get install runc`); apirctl then uses it with "
-                    f"default_ulimits = [] (podman said: {last_line(output)})",
+                    f"default_ulimits = [] (podman said: {tail(output, default='(no output)')})",
                 )
             conf = write_restricted_conf()
             ok2, output2 = probe_runtime(conf)
             if not ok2:
                 raise ApirctlError(
-                    f"containers cannot start on this host: {last_line(output2)}",
+                    f"containers cannot start on this host: {tail(output2, default='(no output)')}",
                     hint="run `apirctl doctor` for the checks and their fixes",
                 )
             decision = RuntimeDecision(
                 restricted=True,
                 conf=str(conf),
-                reason=f"default settings fail here ({last_line(output)}); "
+                reason=f"default settings fail here ({tail(output, default='(no output)')}); "
                 "using runtime runc and default_ulimits = []",
             )
         else:
             raise ApirctlError(
-                f"podman cannot start a container: {last_line(output)}",
+                f"podman cannot start a container: {tail(output, default='(no output)')}",
                 hint="run `apirctl doctor` for the checks and their fixes",
             )
     ensure(path.parent)
@@ -374,7 +374,7 @@ def start_service() -> Endpoint:
         time.sleep(0.05)
     with contextlib.suppress(OSError):
         proc.terminate()
-    raise ApirctlError(f"`podman system service` did not start: {last_line(log_path.read_text(errors='replace'))}",
+    raise ApirctlError(f"`podman system service` did not start: {tail(log_path, default='(no output)')}",
                        hint=f"full log: {log_path}")
 
 
@@ -492,4 +492,4 @@ def restart_own_service() -> bool:
 def api_error_message(exc: Exception) -> str:
     """The useful line of a podman-py APIError (its `explanation`), else the exception text."""
     text = getattr(exc, "explanation", None) or str(exc)
-    return str(text).strip().splitlines()[-1] if str(text).strip() else type(exc).__name__
+    return tail(str(text), default=type(exc).__name__)

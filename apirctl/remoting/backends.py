@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ValidationError
 
-from apirctl.errors import ApirctlError
+from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.remoting import rpc_client
 
@@ -103,23 +103,15 @@ def terminate(pid: int, timeout: float = STOP_TIMEOUT) -> None:
         time.sleep(0.05)
 
 
-def log_tail(path: Path, lines: int = 20) -> list[str]:
-    if not path.exists():
-        return []
-    with path.open("rb") as fh:
-        fh.seek(0, os.SEEK_END)
-        fh.seek(max(0, fh.tell() - 64 * 1024))
-        text = fh.read().decode(errors="replace")
-    return text.splitlines()[-lines:]
+#: Words of a ggml-rpc-server line that says why it stopped.
+FAILURE_WORDS = ("error", "failed", "unknown", "invalid", "abort", "refus")
 
 
 def failure_line(path: Path) -> str:
-    """The most telling line of a failed start (an error line, else the last one)."""
-    tail = [line.strip() for line in log_tail(path, 40) if line.strip() and not line.startswith("--- apirctl")]
-    for line in reversed(tail):
-        if any(word in line.lower() for word in ("error", "failed", "unknown", "invalid", "abort", "refus")):
-            return line
-    return tail[-1] if tail else "no output"
+    """The most telling line of a failed start (an error line, else the last one) among the log's last 40,
+    apirctl's own `--- apirctl:` start lines left out."""
+    server_lines = [line for line in tail(path, 40).splitlines() if not line.startswith("--- apirctl")]
+    return tail("\n".join(server_lines), telling=FAILURE_WORDS, default="no output")
 
 
 def cache_dir() -> Path:

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 
 from apirctl import config
 from apirctl.build import llamacpp
-from apirctl.errors import ApirctlError
+from apirctl.errors import ApirctlError, tail
 from apirctl.machine import MachineState, MachineStatus, RestartOptions
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.podman import servers as podman_servers
@@ -175,7 +175,7 @@ def check_port_free(port: int, host: str = LOOPBACK) -> None:
 
 
 def _log_tail(lines: int = 20) -> list[str]:
-    return backends.log_tail(log_file(), lines)
+    return tail(log_file(), lines).splitlines()
 
 
 def _devices_from_log() -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
-from apirctl.errors import ApirctlError, last_line
+from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure
 from apirctl.remoting import rpc_client
 
@@ -66,13 +66,6 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
 
 
-def _last_line(path: Path) -> str:
-    try:
-        return last_line(path.read_text(errors="replace"), "no output")
-    except OSError:
-        return "no output"
-
-
 def open_tunnel(via: str, target_host: str, target_port: int, ssh_args: list[str] | None = None,
                 timeout: float = OPEN_TIMEOUT) -> Tunnel:
     """Start the forward and wait until an RPC server answers through it; raise a clear error if not."""
@@ -94,7 +87,7 @@ def open_tunnel(via: str, target_host: str, target_port: int, ssh_args: list[str
     problem = ""
     while time.monotonic() < deadline:
         if child.poll() is not None:
-            raise ApirctlError(f"ssh to {dest} failed (exit {child.returncode}): {_last_line(log)}",
+            raise ApirctlError(f"ssh to {dest} failed (exit {child.returncode}): {tail(log, default='no output')}",
                                hint="check that `ssh " + " ".join([*via_args, dest]) + "` logs in without a password")
         try:
             rpc_client.probe("127.0.0.1", local, timeout=2.0)

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apirctl.apir import probes, selftest, table
-from apirctl.apir.session import BackendProcess
-from apirctl.errors import ApirctlError
+from apirctl.apir.session import CRASH_WORDS, BackendProcess
+from apirctl.errors import ApirctlError, tail
 from apirctl.macos import bundle
 
 pytestmark = pytest.mark.integration
@@ -83,7 +83,7 @@ def test_on_macos_the_active_bundle_is_the_default(backend_libs: Libs, monkeypat
 def test_library_prints_do_not_corrupt_the_framing(backend_libs: Libs) -> None:
     # An unknown buffer makes the library printf to stdout; the child sends that to stderr.
     result = probes.run_probe(next(p for p in probes.PROBES if p.name == "tensor-unknown-buffer"), *backend_libs)
-    assert result.outcome == "crashed" and "HOST BUFFER NOT FOUND" in result.detail
+    assert result.outcome == "crashed" and "HOST BUFFER NOT FOUND" in tail(result.stderr, telling=CRASH_WORDS)
     with BackendProcess() as proc:
         assert proc.initialize(*backend_libs) == 6
         assert proc.call("device_get_name")[0]["name"] == "CPU"
