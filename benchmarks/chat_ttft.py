@@ -1,4 +1,4 @@
-"""Time to first token: `apirctl chat -p` against a bare HTTP request to the same llama-server.
+"""Time to first token: `apirctl chat PROMPT` against a bare HTTP request to the same llama-server.
 
 What the user waits for, split so the cost of each layer shows:
 
@@ -6,7 +6,7 @@ What the user waits for, split so the cost of each layer shows:
   request, stop at the first SSE chunk carrying content. The floor: the server's own time.
 - `library`: the same with `apirctl.chat.ChatClient` (a new client each time), in this process.
   `library - bare` is what apirctl's client code adds.
-- `cli`: `apirctl chat --url URL -p PROMPT` as a new process, from spawn to its first byte on stdout.
+- `cli`: `apirctl chat --url URL PROMPT` as a new process, from spawn to its first byte on stdout.
 - `start`: `apirctl --version` as a new process, spawn to exit: the start-up any apirctl command pays.
   `cli - start - bare` is what `chat` adds beyond process start (target: <= 5 ms).
 - `parse`: a new process that imports the CLI and parses and converts the same `chat` options, then
@@ -93,10 +93,10 @@ def apirctl() -> list[str]:
 
 
 def cli(url: str) -> float:
-    """Spawn `apirctl chat -p` and time its first byte on stdout."""
+    """Spawn `apirctl chat PROMPT` and time its first byte on stdout."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        [*apirctl(), "chat", "--url", url, "-p", PROMPT, "--max-tokens", "1", "--temperature", "0"],
+        [*apirctl(), "chat", "--url", url, PROMPT, "--max-tokens", "1", "--temperature", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -116,13 +116,13 @@ def start_cost() -> float:
     return time.perf_counter() - start
 
 
-# Everything `apirctl chat -p` does before its own code runs: import the CLI, build the command,
+# Everything `apirctl chat PROMPT` does before its own code runs: import the CLI, build the command,
 # parse and convert the same options (typer builds a pydantic adapter per option), then stop.
 PARSE_ONLY = """
 import typer.main
 from apirctl.cli import app
 group = typer.main.get_command(app)
-ctx = group.make_context("apirctl", ["chat", "--url", "http://127.0.0.1:1/v1", "-p", "x",
+ctx = group.make_context("apirctl", ["chat", "--url", "http://127.0.0.1:1/v1", "x",
                                      "--max-tokens", "1", "--temperature", "0"])
 rest = list(getattr(ctx, "_protected_args", None) or getattr(ctx, "protected_args", [])) + ctx.args
 name, cmd, args = group.resolve_command(ctx, rest)

@@ -14,7 +14,7 @@ apirctl doctor || true
 apirctl machine restart --remoting || echo "(remoting backend not started: serving without remoting)"
 apirctl serve smollm2 --port "${PORT:-1234}"
 trap 'apirctl stop --all >/dev/null 2>&1 || true' EXIT
-apirctl chat -p "In one sentence, what is a GPU?" --max-tokens 64
+apirctl chat "In one sentence, what is a GPU?" --max-tokens 64
 apirctl ps
 apirctl stop --all  # free the CPU for the bench (remoting would run beside it: a backend of its own)
 apirctl bench smollm2 --modes native,remoting,container --reps 2

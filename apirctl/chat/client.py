@@ -292,6 +292,32 @@ class ChatClient:
         except (ValueError, AttributeError):
             return []
 
+    def context_size(self) -> int | None:
+        """The tokens one conversation may hold on this server: llama-server's `GET /props` (its
+        per-slot `n_ctx`, beside the base URL's `/v1`); None from a server that does not say."""
+        origin = self.base_url[: -len("/v1")] if self.base_url.endswith("/v1") else self.base_url
+        try:
+            response = self._http.get(f"{origin}/props")
+            n_ctx = response.json().get("default_generation_settings", {}).get("n_ctx")
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        return n_ctx if isinstance(n_ctx, int) and not isinstance(n_ctx, bool) and n_ctx > 0 else None
+
+    def require_context(self, tokens: int) -> str | None:
+        """Fail when the server's context is smaller than `tokens`; a notice when it cannot be known.
+
+        The context size is the server's setting (it sizes the KV cache when the model loads), so a
+        client can only check it, never change it.
+        """
+        have = self.context_size()
+        hint = f"the context size is the server's setting: `apirctl serve MODEL --ctx-size {tokens}` (or `run`)"
+        if have is None:
+            return f"{self.base_url} does not report its context size; --ctx-size {tokens} is not checked"
+        if have < tokens:
+            raise ApirctlError(f"{self.base_url} has a context of {have} tokens, fewer than --ctx-size {tokens}",
+                               hint=hint)
+        return None
+
     def _body(
         self, messages: list[Message], stream: bool, max_tokens: int | None, temperature: float | None
     ) -> dict[str, Any]:

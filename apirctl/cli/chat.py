@@ -14,12 +14,14 @@ if TYPE_CHECKING:
 EPILOG = (
     "Examples:\n\n"
     "  apirctl chat                          talk to the running server\n\n"
-    "  apirctl chat -p 'Why is the sky blue?'  print only the answer\n\n"
-    "  git diff | apirctl chat -p 'Review:'  the piped text follows the prompt\n\n"
+    "  apirctl chat 'Why is the sky blue?'   print only the answer\n\n"
+    "  git diff | apirctl chat 'Review:'     the piped text follows the prompt\n\n"
+    "  apirctl chat -p 8080                  the server on 127.0.0.1:8080\n\n"
     "  apirctl chat --url 127.0.0.1:8080     any OpenAI-compatible server\n\n"
     "  apirctl chat --plain                  raw answers, not rendered as Markdown\n\n"
-    "  apirctl chat --image cat.png -p 'What is in the picture?'   a vision model\n\n"
+    "  apirctl chat --image cat.png 'What is in the picture?'   a vision model\n\n"
     "  apirctl chat --temp 0.2 --seed 42     sampling settings for every answer\n\n"
+    "  apirctl chat -c 8192                  fail unless the server holds 8192 tokens of context\n\n"
     "In the session: /clear, /system TEXT, /set temp 0.2, /image FILE, /stats, /help, /exit; "
     '\'"""\' or a line ending in \'\\\' '
     "for a message of several lines. Ctrl-C stops the answer."
@@ -29,24 +31,48 @@ _IMAGE = typer.Option(
     None, "--image", metavar="FILE",
     help="Send this image with the (first) message; repeatable. Needs a vision model (served with its projector).",
 )
+_WORDS = typer.Argument(
+    None, metavar="PROMPT", show_default=False,
+    help="Ask once, print only the answer and exit (stdin, if piped, is appended). Several words are one prompt.",
+)
+
+
+def _port(value: str | None) -> int | None:
+    """-p is the port in every command; a prompt typed after it (the old `chat -p TEXT`) gets a
+    message that says where the prompt goes now."""
+    if value is None:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise typer.BadParameter(
+            f"{value!r} is not a port. -p is the port, as in serve; the prompt is an argument: "
+            "apirctl chat 'TEXT' (or --prompt 'TEXT')"
+        )
+    return int(value)
 
 
 def chat(
+    words: list[str] = _WORDS,
     url: str = typer.Option(
         None, "--url", help="OpenAI base URL (e.g. http://127.0.0.1:1234/v1). Default: the running server."
+    ),
+    port: str = typer.Option(
+        None, "--port", "-p", metavar="PORT", callback=_port, show_default=False,
+        help="The server published on this port of 127.0.0.1 (as `serve --port`): --url http://127.0.0.1:PORT/v1.",
     ),
     name: str = typer.Option(None, "--name", "-n", help="Which running apirctl server to use, when several run."),
     model: str = typer.Option(None, "--model", "-m", help="Model name sent to the server (default: the served one)."),
     system: str = typer.Option(None, "--system", "-s", help="System prompt."),
     prompt: str = typer.Option(
-        None,
-        "--prompt",
-        "-p",
-        help="Ask once, print only the answer and exit (stdin, if piped, is appended).",
+        None, "--prompt", help="The prompt as an option (for one that starts with '-'); the same as PROMPT."
     ),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Stop each answer after N tokens."),
-    temperature: float = typer.Option(None, "--temp", "--temperature", "-t", min=0.0, help="Sampling temperature."),
+    temperature: float = typer.Option(None, "--temp", "--temperature", min=0.0, help="Sampling temperature."),
     seed: int = typer.Option(None, "--seed", help="Sampling seed: the same seed and prompt repeat an answer."),
+    ctx_size: int = typer.Option(
+        None, "--ctx-size", "-c", min=1,
+        help="Fail unless the server's context holds this many tokens. The context size is set by the server "
+        "(`serve --ctx-size`); a client can only check it (llama-server's /props).",
+    ),
     image: list[str] = _IMAGE,
     api_key: str = typer.Option(None, "--api-key", help="Bearer token, for servers started with an API key."),
     timeout: float = typer.Option(
@@ -63,33 +89,42 @@ def chat(
         None,
         "--markdown/--plain",
         help="Interactive: show each finished answer rendered as Markdown (default on a terminal), or as "
-        "plain text. -p, --json, pipes and files always get the plain text.",
+        "plain text. A prompt, --json, pipes and files always get the plain text.",
     ),
 ) -> None:
     """Chat with a served model, streaming the answer as it is generated.
 
-    Without --url it talks to the running `apirctl serve` container.
+    Without --url or --port it talks to the running `apirctl serve` container.
 
-    With -p or a pipe on stdin it prints only the answer, for scripts.
+    With a prompt (`apirctl chat 'TEXT'`) or a pipe on stdin it prints only the answer, for scripts.
 
     Otherwise it opens an interactive session with line editing and history kept across sessions.
     """
     from apirctl.errors import ApirctlError
 
-    if url and name:
-        raise ApirctlError("--url and --name exclude each other", hint="--name picks one of our servers; --url any")
+    if words and prompt is not None:
+        raise ApirctlError("the prompt is given twice (as an argument and as --prompt)", hint="give one of them")
+    if words:
+        prompt = " ".join(words)
+    chosen = [flag for flag, value in (("--url", url), ("--port", port), ("--name", name)) if value]
+    if len(chosen) > 1:
+        raise ApirctlError(f"{' and '.join(chosen)} exclude each other",
+                           hint="--name picks one of our servers; --port one on this machine; --url any")
+    if port:
+        url = f"http://127.0.0.1:{port}/v1"
     interactive = prompt is None and sys.stdin.isatty() and not json_
     base_url, served_model = _target(url, name, interactive)
     talk(base_url, model or served_model, system=system, prompt=prompt, max_tokens=max_tokens,
          temperature=temperature, seed=seed, images=list(image or []), api_key=api_key, timeout=timeout,
-         json_=json_, markdown=markdown, first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout)
+         json_=json_, markdown=markdown, first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout,
+         ctx_size=ctx_size)
 
 
 def talk(base_url: str, model: str | None, *, system: str | None = None, prompt: str | None = None,
          max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
          images: list[str] | None = None, api_key: str | None = None, timeout: float | None = None,
          first_byte_timeout: float = 300.0, stall_timeout: float = 60.0,
-         json_: bool = False, markdown: bool | None = None) -> None:
+         json_: bool = False, markdown: bool | None = None, ctx_size: int | None = None) -> None:
     """The chat itself, with a server already chosen (`chat` and `run`)."""
     from apirctl import chat as lib
     from apirctl.cli.output import console, err_console, print_json
@@ -101,6 +136,10 @@ def talk(base_url: str, model: str | None, *, system: str | None = None, prompt:
                         first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout) as client:
         if seed is not None:
             client.sampling["seed"] = seed
+        if ctx_size is not None:
+            notice = client.require_context(ctx_size)
+            if notice:
+                print(f"apirctl: notice: {notice}", file=sys.stderr)
         if interactive:
             from apirctl.chat.view import markdown_wanted
 

@@ -7,7 +7,7 @@ examples carry them in their own module's epilog or docstring.
 from __future__ import annotations
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
-    "": ("apirctl setup", "apirctl serve smollm2", "apirctl run smollm2", "apirctl chat -p 'Hello'",
+    "": ("apirctl setup", "apirctl serve smollm2", "apirctl run smollm2", "apirctl chat 'Hello'",
          "apirctl doctor"),
     "version": ("apirctl version",),
     "ps": ("apirctl ps", "apirctl ps --all --json"),

@@ -187,7 +187,7 @@ def stop(
 @app.command()
 def logs(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
-    tail: int = typer.Option(50, "--tail", "-n", help="Lines to show from the end."),
+    tail: int = typer.Option(50, "--tail", help="Lines to show from the end."),
 ) -> None:
     """Show the host remoting backend's log (Linux: the RPC server; macOS: virglrenderer and APIR logs)."""
     from apirctl.remoting import machines

@@ -50,7 +50,7 @@ def serve(
     ),
     name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
     transport: str = typer.Option(
-        None, "--transport", "-t",
+        None, "--transport",
         help="auto (GPU passthrough where the engine can hand the GPU over, else remoting when `apirctl "
         "machine status` is ready, else none; says why), gpu (Linux: the container gets the GPU: CDI or "
         "/dev/dri), virtgpu (macOS), rpc (Linux host GPU over llama.cpp RPC), none (container CPU).",
@@ -71,7 +71,7 @@ def serve(
         "starting it; `podman kube play` or systemd runs it.",
     ),
     ngl: int = typer.Option(None, "--ngl", help="Layers offloaded to the remoted GPU (default 999 = all)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads of llama-server (default: its choice)."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads of llama-server (default: its choice)."),
     api_key: str = typer.Option(None, "--api-key", help="Require this bearer key on the API."),
     host_ip: str = typer.Option(
         None, "--host-ip", help="Host address the API is published on (default 127.0.0.1: this machine only)."
@@ -297,7 +297,7 @@ def ps(
 def logs(
     name: str = typer.Argument(None, help="Server name (optional when one server runs)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines until Ctrl-C."),
-    tail: int = typer.Option(None, "--tail", "-n", help="Only the last N lines."),
+    tail: int = typer.Option(None, "--tail", help="Only the last N lines."),
 ) -> None:
     """Print a server's llama-server log (stdout and stderr)."""
     from apirctl import serve as lib
@@ -333,13 +333,25 @@ def stop(
 
 
 _RUN_IMAGE = typer.Option(None, "--image", metavar="FILE", help="An image for the first message (vision models).")
+_RUN_ARGS = typer.Argument(
+    None, metavar="PROMPT", show_default=False,
+    help="Ask once, print the answer and stop (as `ramalama run MODEL PROMPT`); several words are one prompt. "
+    "Flags after `--` go to llama-server (`run MODEL -- --top-k 20`).",
+)
 RUN_EPILOG = (
     "Examples:\n\n"
     "  apirctl run smollm2                        # serve, chat, and stop the server when the chat ends\n\n"
-    "  apirctl run llama3.2:1b -p 'Hello'         # one answer, printed, then the server stops\n\n"
+    "  apirctl run llama3.2:1b 'Hello'            # one answer, printed, then the server stops\n\n"
     "  apirctl run smollm2 --keep                 # the server stays after the chat\n\n"
-    "  apirctl run smollm2 --temp 0.2 --seed 42 --ctx-size 8192 -- --top-k 20"
+    "  apirctl run smollm2 --temp 0.2 --seed 42 -c 8192 -- --top-k 20"
 )
+
+
+def _split_run_args(args: list[str]) -> tuple[list[str], list[str]]:
+    """`run MODEL why is the sky blue -- --top-k 20`: the words before the first flag are the prompt,
+    the rest goes to llama-server (whose flags all start with '-')."""
+    first_flag = next((i for i, arg in enumerate(args) if arg.startswith("-")), len(args))
+    return args[:first_flag], args[first_flag:]
 
 
 def run(
@@ -347,8 +359,8 @@ def run(
         None, help="Model: alias (smollm2), .gguf path, hf://, ollama://, https://, pypi://. "
         "Default: the `default_model` setting."
     ),
-    llama_args: list[str] = _LLAMA_ARGS,
-    prompt: str = typer.Option(None, "--prompt", help="Ask once, print the answer, stop (stdin, if piped, follows)."),
+    args: list[str] = _RUN_ARGS,
+    prompt: str = typer.Option(None, "--prompt", help="The prompt as an option (for one that starts with '-')."),
     system: str = typer.Option(None, "--system", "-s", help="System prompt."),
     image: list[str] = _RUN_IMAGE,
     port: int = typer.Option(
@@ -356,8 +368,9 @@ def run(
         help="Host port of the API (above 1024). Default 1234, or the next free one when 1234 is taken.",
     ),
     name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
-    transport: str = typer.Option(None, "--transport", "-t", help="auto, virtgpu, rpc or none (see `serve`)."),
+    transport: str = typer.Option(None, "--transport", help="auto, gpu, virtgpu, rpc or none (see `serve`)."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
+    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads of llama-server (default: its choice)."),
     temperature: float = typer.Option(None, "--temp", "--temperature", min=0.0, help="Sampling temperature."),
     seed: int = typer.Option(None, "--seed", help="Sampling seed (the same seed repeats an answer)."),
     max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Stop each answer after N tokens."),
@@ -366,17 +379,22 @@ def run(
 ) -> None:
     """Serve a model and chat with it in one command, as `ollama run` and `ramalama run` do.
 
-    The server stops when the chat ends (`/exit`, Ctrl-D, or the one answer of `--prompt`), unless
+    The server stops when the chat ends (`/exit`, Ctrl-D, or the one answer to a prompt), unless
     `--keep`. Embedding and reranking models are refused before anything starts: they do not chat.
     """
     from apirctl import serve as lib
     from apirctl.cli.chat import refuse_non_chat, talk
     from apirctl.cli.output import err_console
+    from apirctl.errors import ApirctlError
 
+    words, llama_args = _split_run_args(list(args or []))
+    if words and prompt is not None:
+        raise ApirctlError("the prompt is given twice (as an argument and as --prompt)", hint="give one of them")
+    if words:
+        prompt = " ".join(words)
     opts = lib.options(
-        model or _default_model(), port=port, name=name, transport=transport, ctx_size=ctx_size,
-        timeout=timeout, llama_args=list(llama_args or []), temperature=temperature, seed=seed,
-        max_tokens=max_tokens,
+        model or _default_model(), port=port, name=name, transport=transport, ctx_size=ctx_size, threads=threads,
+        timeout=timeout, llama_args=llama_args, temperature=temperature, seed=seed, max_tokens=max_tokens,
     )
     with _Phases(live=sys.stderr.isatty(), quiet=False) as phases:
         started = lib.start(opts, progress=phases.update)

@@ -395,7 +395,7 @@ def _exercise(runner: PreparedApp) -> None:
 
 # Command lines parsed (not run) by a spare, so that its converters have run on real values.
 _SAMPLE_COMMANDS = (
-    ["chat", "--url", "http://127.0.0.1:1/v1", "-p", "hi", "--max-tokens", "1", "--temperature", "0"],
+    ["chat", "--url", "http://127.0.0.1:1/v1", "hi", "--max-tokens", "1", "--temperature", "0"],
     ["serve", "model.gguf", "--port", "1234", "--name", "x", "--transport", "none", "--ctx-size", "1024"],
     ["ps", "--json"],
     ["stop", "x"],

@@ -22,7 +22,7 @@ def _no_traceback(stderr: str) -> None:
 
 def test_one_shot_prints_exactly_the_servers_answer(llama_server: LlamaServer) -> None:
     """The streamed pieces, joined, are the answer the server gives to the same greedy request."""
-    args = ["--url", llama_server.url, "-p", QUESTION, "--temperature", "0", "--max-tokens", "24"]
+    args = ["--url", llama_server.url, QUESTION, "--temperature", "0", "--max-tokens", "24"]
     result = run_chat(*args)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
@@ -41,7 +41,7 @@ def test_one_shot_prints_exactly_the_servers_answer(llama_server: LlamaServer) -
 
 
 def test_json_prints_the_whole_response(llama_server: LlamaServer) -> None:
-    result = run_chat("--url", llama_server.url, "-p", QUESTION, "--max-tokens", "8", "--json")
+    result = run_chat("--url", llama_server.url, QUESTION, "--max-tokens", "8", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["object"] == "chat.completion"
@@ -55,10 +55,10 @@ def test_system_prompt_and_max_tokens_reach_the_server(llama_server: LlamaServer
 
     (SmolLM2's template adds its own short system prompt when none is given, hence a long one here.)
     """
-    plain = json.loads(run_chat("--url", llama_server.url, "-p", "Hi", "--max-tokens", "3", "--json").stdout)
+    plain = json.loads(run_chat("--url", llama_server.url, "Hi", "--max-tokens", "3", "--json").stdout)
     system = "You are a pirate. Always answer like a pirate would, with many nautical words. " * 4
     with_system = json.loads(
-        run_chat("--url", llama_server.url, "-s", system, "-p", "Hi", "--max-tokens", "3", "--json").stdout
+        run_chat("--url", llama_server.url, "-s", system, "Hi", "--max-tokens", "3", "--json").stdout
     )
     assert with_system["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 30
     assert with_system["usage"]["completion_tokens"] <= 3
@@ -68,14 +68,14 @@ def test_piped_stdin_is_the_question(llama_server: LlamaServer) -> None:
     """`echo QUESTION | apirctl chat` prints only the answer; with -p, stdin follows the prompt."""
     piped = run_chat("--url", llama_server.url, "--temperature", "0", "--max-tokens", "24", stdin=QUESTION + "\n")
     assert piped.returncode == 0, piped.stderr
-    flag = run_chat("--url", llama_server.url, "-p", QUESTION, "--temperature", "0", "--max-tokens", "24")
+    flag = run_chat("--url", llama_server.url, QUESTION, "--temperature", "0", "--max-tokens", "24")
     assert piped.stdout.strip() and piped.stdout == flag.stdout
 
     both = run_chat(
-        "--url", llama_server.url, "-p", "Repeat this text:", "--max-tokens", "1", "--json",
+        "--url", llama_server.url, "Repeat this text:", "--max-tokens", "1", "--json",
         stdin="the quick brown fox jumps over the lazy dog",
     )  # fmt: skip
-    alone = run_chat("--url", llama_server.url, "-p", "Repeat this text:", "--max-tokens", "1", "--json")
+    alone = run_chat("--url", llama_server.url, "Repeat this text:", "--max-tokens", "1", "--json")
     assert both.returncode == 0, both.stderr
     grown = json.loads(both.stdout)["usage"]["prompt_tokens"] - json.loads(alone.stdout)["usage"]["prompt_tokens"]
     assert grown >= 8  # the nine piped words reached the server
@@ -88,14 +88,14 @@ def test_base_url_forms_are_accepted(llama_server: LlamaServer) -> None:
         llama_server.origin,
         f"{llama_server.url}/chat/completions",
     ):
-        result = run_chat("--url", url, "-p", "Hi", "--max-tokens", "2")
+        result = run_chat("--url", url, "Hi", "--max-tokens", "2")
         assert result.returncode == 0, (url, result.stderr)
         assert result.stdout.strip(), url
 
 
 def test_unreachable_server_is_one_clear_line() -> None:
     port = free_port()  # nothing listens there any more
-    result = run_chat("--url", f"http://127.0.0.1:{port}/v1", "-p", "Hi", timeout=60)
+    result = run_chat("--url", f"http://127.0.0.1:{port}/v1", "Hi", timeout=60)
     assert result.returncode == 1
     _no_traceback(result.stderr)
     assert result.stdout == ""
@@ -116,7 +116,7 @@ def test_server_error_is_reported_with_the_servers_message(llama_server: LlamaSe
 
 def test_a_server_that_is_not_openai_compatible(llama_server: LlamaServer) -> None:
     """A wrong base path is a 404 from the server, reported with a hint about the URL."""
-    result = run_chat("--url", f"{llama_server.origin}/nothing/here", "-p", "Hi")
+    result = run_chat("--url", f"{llama_server.origin}/nothing/here", "Hi")
     assert result.returncode == 1
     _no_traceback(result.stderr)
     assert "server error (HTTP 404)" in result.stderr
@@ -143,7 +143,7 @@ def test_connection_dropped_by_a_non_http_peer() -> None:
         thread = threading.Thread(target=hang_up, daemon=True)
         thread.start()
         try:
-            result = run_chat("--url", f"http://127.0.0.1:{port}/v1", "-p", "Hi", timeout=60)
+            result = run_chat("--url", f"http://127.0.0.1:{port}/v1", "Hi", timeout=60)
         finally:
             stop.set()
             thread.join(5)
@@ -167,3 +167,31 @@ def test_bad_input_is_one_line(args: list[str], stdin: str, message: str) -> Non
     assert result.returncode != 0
     _no_traceback(result.stderr)
     assert message in result.stderr
+
+
+def test_port_and_context_checks_against_the_real_server(llama_server: LlamaServer) -> None:
+    """`-p PORT` is the server on that port of 127.0.0.1; `-c N` passes when the server's context (its
+    /props) holds N tokens and fails, with the serve hint, when it holds fewer."""
+    from tests.support.chat_helpers import CTX_SIZE
+
+    port = str(llama_server.port)
+    fits = run_chat("-p", port, "-c", str(CTX_SIZE), "Hi", "--max-tokens", "2")
+    assert fits.returncode == 0 and fits.stdout.strip() and fits.stderr == "", fits.stderr
+    more = run_chat("-p", port, "--ctx-size", str(CTX_SIZE + 1), "Hi")
+    assert more.returncode == 1 and more.stdout == ""
+    assert f"has a context of {CTX_SIZE} tokens, fewer than --ctx-size {CTX_SIZE + 1}" in more.stderr
+    assert f"apirctl serve MODEL --ctx-size {CTX_SIZE + 1}" in more.stderr
+    _no_traceback(more.stderr)
+
+
+def test_context_check_against_a_server_that_does_not_report_it() -> None:
+    """An OpenAI server without llama-server's /props: a notice, and the answer still comes."""
+    from tests.support.openai_fake import FakeChatServer
+
+    server = FakeChatServer("An answer.").start()
+    try:
+        result = run_chat("--url", server.url, "-c", "8192", "Hi")
+    finally:
+        server.stop()
+    assert result.returncode == 0 and result.stdout == "An answer.\n", result.stderr
+    assert "does not report its context size; --ctx-size 8192 is not checked" in result.stderr

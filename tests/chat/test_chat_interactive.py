@@ -191,7 +191,7 @@ def test_ctrl_c_in_one_shot_mode_exits_130(llama_server: LlamaServer) -> None:
     command = apirctl_command()
     child = pexpect.spawn(
         command[0],
-        [*command[1:], "chat", "--url", llama_server.url, "-p", LONG_QUESTION, "--max-tokens", "1000",
+        [*command[1:], "chat", "--url", llama_server.url, LONG_QUESTION, "--max-tokens", "1000",
          "--temperature", "0"],
         env=dict(os.environ, TERM="xterm", NO_COLOR="1"),
         encoding="utf-8",

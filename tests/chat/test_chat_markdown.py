@@ -155,15 +155,15 @@ def test_one_shot_output_is_the_answer_byte_for_byte(scripted: Callable[..., Fak
     """-p and pipes print exactly what the server sent, --markdown or not, on a pipe or a terminal."""
     server = scripted(ANSWER)
     for args, stdin in (
-        (["-p", "How do I double a number?", "--markdown"], None),
+        (["How do I double a number?", "--markdown"], None),
         (["--markdown"], "How do I double a number?"),
-        (["-p", "How do I double a number?"], None),
+        (["How do I double a number?"], None),
     ):
         result = run_chat("--url", server.url, *args, stdin=stdin)
         assert result.returncode == 0, result.stderr
         assert result.stdout == ANSWER and result.stderr == ""
     command = apirctl_command()
-    child = pexpect.spawn(command[0], [*command[1:], "chat", "--url", server.url, "-p", "Again?", "--markdown"],
+    child = pexpect.spawn(command[0], [*command[1:], "chat", "--url", server.url, "Again?", "--markdown"],
                           env=dict(os.environ, TERM="xterm"), dimensions=(30, 80), timeout=60)
     try:
         output = child.read()  # everything up to the end of the output

@@ -55,7 +55,7 @@ def served(llama_image: str, demo_model: Path, tmp_path_factory: pytest.TempPath
 
 def test_chat_by_server_name(served: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONTAINER_HOST", served["podman"])
-    result = run_chat("--name", served["name"], "-p", "Say hello.", "--max-tokens", "8")
+    result = run_chat("--name", served["name"], "Say hello.", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert result.stderr == ""
@@ -63,7 +63,7 @@ def test_chat_by_server_name(served: dict[str, str], monkeypatch: pytest.MonkeyP
 
 def test_unknown_server_name_is_one_line(served: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CONTAINER_HOST", served["podman"])
-    result = run_chat("--name", "no-such-server-here", "-p", "Hi")
+    result = run_chat("--name", "no-such-server-here", "Hi")
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert "no inference server named 'no-such-server-here'" in result.stderr

@@ -30,7 +30,7 @@ def test_flags_go_into_every_request(server: FakeChatServer, tmp_path: Path) -> 
     picture = tmp_path / "dot.png"
     picture.write_bytes(PNG)
     done = run_chat("--url", server.url, "--temp", "0.2", "--seed", "42", "--max-tokens", "7",
-                    "--image", str(picture), "-p", "What is this?")
+                    "--image", str(picture), "What is this?")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "Paris."
     body = server.requests[-1]
@@ -43,7 +43,7 @@ def test_flags_go_into_every_request(server: FakeChatServer, tmp_path: Path) -> 
 def test_a_file_that_is_not_an_image_is_one_line(server: FakeChatServer, tmp_path: Path) -> None:
     text = tmp_path / "notes.txt"
     text.write_text("hello")
-    done = run_chat("--url", server.url, "--image", str(text), "-p", "hi")
+    done = run_chat("--url", server.url, "--image", str(text), "hi")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("apirctl: error: ") and "not an image file" in done.stderr
     assert server.requests == []

@@ -21,26 +21,26 @@ def peer(request: pytest.FixtureRequest) -> Iterator[Peer]:
 
 @pytest.mark.parametrize("peer", ["silent"], indirect=True)
 def test_a_server_that_accepts_and_never_answers(peer: Peer) -> None:
-    out = sweep("chat", "--url", peer.url, "-p", "hi", "--first-byte-timeout", "1")
+    out = sweep("chat", "--url", peer.url, "--prompt", "hi", "--first-byte-timeout", "1")
     out.fails_cleanly(code=1, says="accepted the request but sent no answer within 1 s")
 
 
 @pytest.mark.parametrize("peer", ["silent"], indirect=True)
 def test_json_mode_has_the_same_limit(peer: Peer) -> None:
-    out = sweep("chat", "--url", peer.url, "-p", "hi", "--json", "--first-byte-timeout", "1")
+    out = sweep("chat", "--url", peer.url, "--prompt", "hi", "--json", "--first-byte-timeout", "1")
     out.fails_cleanly(code=1, says="sent no answer")
 
 
 @pytest.mark.parametrize("peer", ["stall"], indirect=True)
 def test_a_stream_that_stalls(peer: Peer) -> None:
-    out = sweep("chat", "--url", peer.url, "-p", "hi", "--stall-timeout", "1")
+    out = sweep("chat", "--url", peer.url, "--prompt", "hi", "--stall-timeout", "1")
     out.fails_cleanly(code=1, says="stalled: nothing for 1 s")
     assert out.stdout == "piece0 piece1 piece2 \n"  # what came is shown, and the line is ended
 
 
 @pytest.mark.parametrize("peer", ["cut"], indirect=True)
 def test_a_cut_stream_ends_its_line_before_the_error(peer: Peer) -> None:
-    out = sweep("chat", "--url", peer.url, "-p", "hi")
+    out = sweep("chat", "--url", peer.url, "--prompt", "hi")
     out.fails_cleanly(code=1, says="closed in the middle of the answer")
     assert out.stdout.endswith("piece2 \n")
 
@@ -49,19 +49,19 @@ def test_nothing_listens() -> None:
     with socket.socket() as probe:  # a port that was free a moment ago
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    sweep("chat", "--url", f"http://127.0.0.1:{port}/v1", "-p", "hi").fails_cleanly(code=1, says="cannot reach")
+    sweep("chat", "--url", f"http://127.0.0.1:{port}/v1", "--prompt", "hi").fails_cleanly(code=1, says="cannot reach")
 
 
 @pytest.mark.parametrize("url", ["not a url", "ftp://127.0.0.1/v1", "http://", "http://[::1/v1"])
 def test_malformed_urls(url: str) -> None:
-    sweep("chat", "--url", url, "-p", "hi").fails_cleanly()
+    sweep("chat", "--url", url, "--prompt", "hi").fails_cleanly()
 
 
 def test_url_and_name_together() -> None:
-    sweep("chat", "--url", "http://127.0.0.1:9/v1", "--name", "x", "-p", "hi").fails_cleanly(
+    sweep("chat", "--url", "http://127.0.0.1:9/v1", "--name", "x", "--prompt", "hi").fails_cleanly(
         code=1, says="exclude each other")
 
 
 @pytest.mark.parametrize("flag", [["--first-byte-timeout", "0"], ["--stall-timeout", "-1"], ["--max-tokens", "0"]])
 def test_bad_chat_flags(flag: list[str]) -> None:
-    sweep("chat", "--url", "http://127.0.0.1:9/v1", "-p", "hi", *flag).fails_cleanly(code=2, lines=8)
+    sweep("chat", "--url", "http://127.0.0.1:9/v1", "--prompt", "hi", *flag).fails_cleanly(code=2, lines=8)

@@ -118,7 +118,7 @@ def test_a_resident_that_does_not_answer_is_bypassed_and_the_command_runs_once(
     server = FakeChatServer("four").start()
     os.kill(pid, signal.SIGSTOP)  # a resident process that hangs
     try:
-        out = sweep("chat", "--url", server.url, "-p", "2+2?", cwd=tmp_path).succeeds()
+        out = sweep("chat", "--url", server.url, "--prompt", "2+2?", cwd=tmp_path).succeeds()
     finally:
         os.kill(pid, signal.SIGCONT)
     assert "four" in out.stdout
@@ -133,7 +133,7 @@ def test_a_sigkilled_client_stops_its_command(run_dir: Path, tmp_path: Path, mon
     monkeypatch.setenv("APIRCTL_RESIDENT", "1")
     found = started()
     peer = Peer("endless").start()
-    client = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", peer.url, "-p", "go on"],
+    client = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", peer.url, "--prompt", "go on"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
     poll(lambda: peer.requests == 1, what="the chat request")
     child = command_child(int(str(found["pid"])), tmp_path)

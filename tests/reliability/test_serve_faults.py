@@ -184,7 +184,7 @@ def test_the_podman_service_unreachable(env: dict[str, str], tmp_path: Path) -> 
 
 def test_zz_container_killed_mid_chat(env: dict[str, str]) -> None:
     """Last: the shared server dies here. chat ends with one error, ps says so, stop removes it."""
-    proc = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", env["url"], "-p",
+    proc = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", env["url"], "--prompt",
                              "Count from one to five hundred, in words.", "--max-tokens", "2000"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     assert proc.stdout is not None

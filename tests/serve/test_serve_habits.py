@@ -30,19 +30,30 @@ def serve_json(*args: str, env: dict[str, str] | None = None) -> dict[str, objec
 
 def test_run_answers_once_and_stops_the_server(podman: str, llama_image: str, demo_model: Path, name: str,
                                                port: int) -> None:
-    done = apirctl("run", str(demo_model), "--prompt", "Say hello.", "--max-tokens", "8", "--temp", "0",
-                   "--seed", "3", "--ctx-size", "1024", "--port", str(port), "--name", name, "--transport", "none")
+    """`ramalama run MODEL PROMPT`, typed with apirctl's short flags (-c context, -p port, -n name)."""
+    done = apirctl("run", str(demo_model), "Say", "hello.", "--max-tokens", "8", "--temp", "0", "--seed", "3",
+                   "-c", "1024", "-p", str(port), "-n", name, "--transport", "none")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert not container_exists(name)
 
 
 def test_run_keep_leaves_the_server(podman: str, llama_image: str, demo_model: Path, name: str, port: int) -> None:
+    """--prompt still works; -t is the server's threads and what follows `--` goes to llama-server."""
     done = apirctl("run", str(demo_model), "--keep", "--prompt", "Hi", "--max-tokens", "4", "--port", str(port),
-                   "--name", name, "--transport", "none")
+                   "--name", name, "--transport", "none", "-t", "1", "-c", "2048", "--", "--top-k", "7")
     assert done.returncode == 0, done.stderr
     assert f"apirctl stop {name}" in done.stderr
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()["status"] == "ok"
+    command = podman_command(name)
+    assert command[command.index("--threads"):][:2] == ["--threads", "1"]
+    assert command[command.index("--ctx-size"):][:2] == ["--ctx-size", "2048"]
+    assert command[-2:] == ["--top-k", "7"] and "Hi" not in command
+    chat = apirctl("chat", "-p", str(port), "-c", "2048", "Say hi.", "--max-tokens", "4")
+    assert chat.returncode == 0 and chat.stdout.strip(), chat.stderr
+    too_big = apirctl("chat", "-p", str(port), "-c", "4096", "Say hi.")
+    assert too_big.returncode == 1 and "has a context of 2048 tokens, fewer than --ctx-size 4096" in too_big.stderr
+    assert "serve MODEL --ctx-size 4096" in too_big.stderr and too_big.stdout == ""
     assert apirctl("stop", name).returncode == 0
 
 
@@ -85,9 +96,9 @@ def test_embedding_and_reranking_models(podman: str, llama_image: str, tmp_path:
     else:
         answer = httpx.post(f"{base}/embeddings", json={"input": "hello world"}, timeout=60).json()
         assert len(answer["data"][0]["embedding"]) == 32
-    chat = apirctl("chat", "--name", name, "-p", "hi")
+    chat = apirctl("chat", "--name", name, "hi")
     assert chat.returncode == 1 and "does not chat" in chat.stderr and "Traceback" not in chat.stderr
-    direct = apirctl("chat", "--url", base, "-p", "hi")  # any server: llama-server's refusal, said plainly
+    direct = apirctl("chat", "--url", base, "hi")  # any server: llama-server's refusal, said plainly
     assert direct.returncode == 1 and "does not chat" in direct.stderr
     assert apirctl("stop", name).returncode == 0
     run = apirctl("run", str(model), "--prompt", "hi", "--port", str(port), "--name", name, "--transport", "none")
@@ -105,7 +116,7 @@ def test_split_model_is_served_from_its_first_part(podman: str, llama_image: str
     assert len(parts) >= 2
     server = serve_json(str(parts[0]), "--port", str(port), "--name", name, "--transport", "none")
     assert server["health"] == "ok"
-    answer = apirctl("chat", "--name", name, "-p", "Say hi.", "--max-tokens", "4")
+    answer = apirctl("chat", "--name", name, "Say hi.", "--max-tokens", "4")
     assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
     assert apirctl("stop", name).returncode == 0
 
@@ -153,7 +164,7 @@ def test_generate_kube_runs_with_podman_kube_play(podman: str, llama_image: str,
     try:
         assert played.returncode == 0, played.stderr
         assert wait_health(port) == "ok"
-        answer = apirctl("chat", "--url", f"http://127.0.0.1:{port}/v1", "-p", "Hi", "--max-tokens", "4")
+        answer = apirctl("chat", "--url", f"http://127.0.0.1:{port}/v1", "Hi", "--max-tokens", "4")
         assert answer.returncode == 0, answer.stderr
     finally:
         podman_remote(podman, "kube", "down", str(yaml_file))
