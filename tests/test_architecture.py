@@ -156,3 +156,33 @@ def test_library_does_not_import_the_cli() -> None:
              if not module.startswith(("apirctl.cli", "apirctl.resident", "apirctl.__main__"))
              and any(t.startswith("apirctl.cli") for t in targets)}
     assert users == set()
+
+
+#: Where code outside `cli/` may write to the terminal itself, and why.
+PRINTS_ALLOWED: dict[str, str] = {}
+
+
+def _terminal_writes(tree: ast.Module) -> list[str]:
+    """print(), typer.echo(), sys.stdout/stderr.write(), making a rich Console, or printing on one (a
+    spinner too): the ways code writes to the user's terminal."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            call = ast.unparse(node.func)
+            if (call in ("print", "typer.echo", "typer.secho", "sys.stdout.write", "sys.stderr.write", "Console")
+                    or call.endswith(("console.print", "console().print", "console.log", "console.status"))):
+                found.append(f"line {node.lineno}: {call}(...)")
+    return found
+
+
+def test_the_terminal_check_sees_a_write() -> None:
+    sample = "import sys\nprint('x')\nsys.stderr.write('y')\nself.console.print(1)\nConsole(stderr=True)\n"
+    assert len(_terminal_writes(ast.parse(sample))) == 4
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if not m.startswith("apirctl.cli")))
+def test_library_returns_data_and_lets_the_cli_print(module: str) -> None:
+    """Library code returns data or raises, and reports progress through callbacks: only `cli/` prints."""
+    if module in PRINTS_ALLOWED:
+        return
+    assert _terminal_writes(ast.parse(MODULES[module].read_text())) == []

@@ -1,4 +1,4 @@
-"""A streaming client for any OpenAI-compatible chat server, and the interactive session.
+"""A streaming client for any OpenAI-compatible chat server, and a conversation's state.
 
 The client speaks only the common subset (`POST {base}/chat/completions`, SSE with
 `data:` lines and `[DONE]`), so `apirctl chat --url` works against llama-server, vLLM,
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 from urllib.parse import urlsplit, urlunsplit
 
 if "httpx" not in sys.modules:
@@ -28,16 +28,8 @@ if "httpx" not in sys.modules:
 
 import httpx  # noqa: E402
 
-from apirctl.chat.composer import Composer, LineEditor, history_file
-from apirctl.chat.view import MarkdownView, PlainView
 from apirctl.config import settings
 from apirctl.errors import ApirctlError  # noqa: E402
-
-if TYPE_CHECKING:
-    from rich.console import Console
-    from rich.status import Status
-
-    from apirctl.chat.view import AnswerView
 
 Message = dict[str, Any]  # content: text, or a list of parts (text and images)
 
@@ -568,44 +560,17 @@ def format_stats(reply: Reply | None) -> str:
     return "\n".join(lines)
 
 
-HELP = '''\
-/clear         forget the conversation (keeps the system prompt)
-/system TEXT   set the system prompt (without TEXT: show it)
-/stats         prompt and generation speed of the last answer
-/set NAME VALUE  a sampling setting for the next answers: temp, seed, max-tokens, top-k, top-p
-               (`/set parameter temperature 0.2` too); /set alone shows them
-/image FILE    send this image with the next message (a vision model: served with its projector)
-/exit          leave (also /quit, /bye or Ctrl-D)
-Messages of several lines:
-  """            on a line of its own opens a block; a line of """ alone sends it
-  line \\         a backslash at the end of a line continues the message on the next one
-  paste          pasted text, newlines included, is sent as one message on Enter
-Ctrl-C stops the current answer (or drops a message being written); Up/Down recall earlier lines,
-also from past sessions.'''
+class Conversation:
+    """A multi-turn chat's state: the history, the system prompt, the sampling settings and the images
+    for the next turn. The interactive session (`apirctl.cli.chat_session`) reads what is typed and
+    prints; the slash commands' changes happen here and come back as the text to show."""
 
-
-class Session:
-    """The interactive chat: a prompt loop with multi-turn history and slash commands."""
-
-    def __init__(
-        self,
-        client: ChatClient,
-        console: Console,
-        system: str | None = None,
-        max_tokens: int | None = None,
-        temperature: float | None = None,
-        out: TextIO | None = None,
-        history: Path | None = None,
-        markdown: bool = False,
-    ) -> None:
+    def __init__(self, client: ChatClient, system: str | None = None, max_tokens: int | None = None,
+                 temperature: float | None = None) -> None:
         self.client = client
-        self.console = console
         self.system = system
         self.max_tokens = max_tokens
         self.temperature = temperature
-        self.out = out or sys.stdout
-        self.history_path = history
-        self.markdown = markdown
         self.messages: list[Message] = []
         self.last: Reply | None = None
         self.images: list[dict[str, Any]] = []  # attached with /image, sent with the next message
@@ -618,35 +583,6 @@ class Session:
         self.system = text or None
         turns = [m for m in self.messages if m["role"] != "system"]
         self.messages = ([{"role": "system", "content": text}] if text else []) + turns
-
-    def command(self, line: str) -> bool:
-        """Run a slash command; False means leave the session. Its argument may span lines."""
-        name, *rest = line.split(maxsplit=1)
-        name = name.lower()
-        arg = rest[0].strip() if rest else ""
-        if name in ("/exit", "/quit", "/bye"):
-            return False
-        if name == "/clear":
-            self.clear()
-            self.console.print("[dim]conversation cleared[/]")
-        elif name == "/system":
-            if arg:
-                self.set_system(arg)
-                self.console.print("[dim]system prompt set[/]")
-            else:
-                shown = _escape(self.system) if self.system else "(none)"
-                self.console.print(f"[dim]system prompt:[/] {shown}", markup=True, highlight=False)
-        elif name == "/stats":
-            self.console.print(format_stats(self.last), markup=False, highlight=False)
-        elif name == "/set":
-            self.console.print(self.set(arg), markup=False, highlight=False)
-        elif name == "/image":
-            self.console.print(self.attach(arg), markup=False, highlight=False)
-        elif name in ("/help", "/?"):
-            self.console.print(HELP, markup=False, highlight=False)
-        else:
-            self.console.print(f"unknown command {name}; /help lists them", markup=False, highlight=False)
-        return True
 
     def attach(self, path: str) -> str:
         """`/image FILE`: the image goes with the next message; the reply line."""
@@ -687,120 +623,33 @@ class Session:
             self.client.sampling[key.replace("-", "_")] = number
         return f"{key} = {number}"
 
-    def _view(self) -> AnswerView:
-        return MarkdownView(self.console) if self.markdown else PlainView(self.out)
-
-    def ask(self, text: str) -> Reply | None:
-        """Send one user turn and stream the answer; the turn joins the history only if it succeeded."""
+    def send(self, text: str, on_token: Callable[[str], None], *, on_loading: Callable[[float], None] | None = None,
+             on_reasoning: Callable[[str], None] | None = None) -> Reply:
+        """One user turn, its answer streamed to `on_token`. The turn joins the history only with an
+        answer: an `ApirctlError` leaves the history as it was; Ctrl-C keeps what had come."""
         self.messages.append(user_message(text, self.images))
         self.images = []
-        status: Status | None = None
-        started = time.monotonic()
-        shown: list[str] = []
-        view = self._view()
+        pieces: list[str] = []
 
-        def stop_spinner() -> None:
-            nonlocal status
-            if status is not None:
-                status.stop()
-                status = None
-
-        def on_loading(elapsed: float) -> None:
-            if status is not None:
-                status.update(f"[dim]the model is loading… {elapsed:.0f} s[/]")
-
-        def on_reasoning(_: str) -> None:
-            if status is not None:
-                status.update(f"[dim]thinking… {time.monotonic() - started:.0f} s[/]")
-
-        def on_token(piece: str) -> None:
-            stop_spinner()
-            shown.append(piece)
-            view.token(piece)
+        def token(piece: str) -> None:
+            pieces.append(piece)
+            on_token(piece)
 
         try:
-            status = self.console.status("[dim]waiting for the server…[/]", spinner="dots")
-            status.start()
-            reply = self.client.stream(
-                self.messages,
-                on_token,
-                max_tokens=self.max_tokens,
-                temperature=self.temperature,
-                on_loading=on_loading,
-                on_reasoning=on_reasoning,
-            )
-        except KeyboardInterrupt:  # outside the stream itself (e.g. while the spinner started)
-            reply = Reply(content="".join(shown), interrupted=True)
-        except ApirctlError as exc:
-            stop_spinner()
+            reply = self.client.stream(self.messages, token, max_tokens=self.max_tokens,
+                                       temperature=self.temperature, on_loading=on_loading,
+                                       on_reasoning=on_reasoning)
+        except KeyboardInterrupt:  # outside the stream's own handling (it returns an interrupted reply)
+            reply = Reply(content="".join(pieces), interrupted=True)
+        except ApirctlError:
             self.messages.pop()
-            view.abort()
-            self.console.print(f"[bold red]error:[/] {_escape(exc.message)}")
-            if exc.hint:
-                self.console.print(f"[dim]hint: {_escape(exc.hint)}[/]")
-            return None
-        finally:
-            stop_spinner()
-        view.finish(reply.content)
-        if reply.interrupted:
-            self.console.print("[dim]\\[interrupted][/]")
+            raise
         if reply.content:
             self.messages.append({"role": "assistant", "content": reply.content})
         else:
             self.messages.pop()
         self.last = reply
         return reply
-
-    def banner(self, where: str) -> None:
-        self.console.print(
-            f"[bold]apirctl chat[/] with {_escape(where)}\n"
-            '[dim]/help for commands · """ or a line ending in \\ for several lines\n'
-            "Ctrl-C stops an answer · /exit or Ctrl-D quits[/]"
-        )
-
-    def run(self) -> None:
-        """The loop: read input (readline editing, several lines when asked), run a command or ask,
-        until /exit or end of input."""
-
-        editor = LineEditor(self.history_path or history_file())
-        composer = Composer()
-        try:
-            while True:
-                try:
-                    entries = composer.feed(input(composer.prompt))
-                except EOFError:
-                    self.out.write("\n")
-                    pending = composer.finish()  # Ctrl-D in a block sends it; at the prompt it quits
-                    if pending is None:
-                        break
-                    entries = [pending]
-                except KeyboardInterrupt:
-                    self.out.write("\n")
-                    if composer.pending:
-                        composer.cancel()
-                        self.console.print("[dim](message dropped)[/]")
-                    else:
-                        self.console.print("[dim](Ctrl-C cancels a line or an answer; /exit or Ctrl-D quits)[/]")
-                    continue
-                for entry in entries:
-                    if not entry.text:
-                        continue
-                    if entry.command:
-                        if not self.command(entry.text):
-                            return
-                        continue
-                    try:
-                        self.ask(entry.text)
-                    except KeyboardInterrupt:  # a second Ctrl-C while the first one was being handled
-                        self.out.write("\n")
-        finally:
-            editor.save()
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)
 
 
 def read_prompt(prompt: str | None, stdin: TextIO) -> str:

@@ -28,7 +28,14 @@ def main() -> None:
     argv = sys.argv[1:]
     use_resident = resident.enabled() and resident.suitable(argv)
     if use_resident:
-        code = resident.run(argv)
+        try:
+            code = resident.run(argv)
+        except resident.Interrupted:
+            print("apirctl: interrupted", file=sys.stderr)
+            code = 130
+        except resident.Lost as exc:
+            print(f"apirctl: {exc}", file=sys.stderr)
+            code = 1
         if code is not None:
             # Nothing of this process needs tearing down (the command ran elsewhere): skip the
             # interpreter's finalisation, a few milliseconds of every command.

@@ -141,17 +141,12 @@ def talk(base_url: str, model: str | None, *, system: str | None = None, prompt:
             if notice:
                 print(f"apirctl: notice: {notice}", file=sys.stderr)
         if interactive:
-            from apirctl.chat.view import markdown_wanted
+            from apirctl.cli.chat_session import Session
+            from apirctl.cli.chat_view import markdown_wanted
 
-            session = lib.Session(
-                client,
-                console(),
-                system=system,
-                max_tokens=max_tokens,
-                temperature=temperature,
-                markdown=markdown_wanted(markdown, console()),
-            )
-            session.images = parts
+            conversation = lib.Conversation(client, system=system, max_tokens=max_tokens, temperature=temperature)
+            conversation.images = parts
+            session = Session(conversation, console(), markdown=markdown_wanted(markdown, console()))
             session.banner(f"{client.model or 'the server'} at {client.base_url}")
             session.run()
             return

@@ -21,8 +21,8 @@ connection's peer uid is checked (SO_PEERCRED) before anything runs.
 
 from __future__ import annotations
 
-from apirctl.resident.client import run, spawn, status, stop
+from apirctl.resident.client import Interrupted, Lost, run, spawn, status, stop
 from apirctl.resident.shared import config_path, enabled, identity, runtime_dir, socket_path, suitable
 
-__all__ = ["config_path", "enabled", "identity", "run", "runtime_dir", "socket_path", "spawn", "status", "stop",
-           "suitable"]
+__all__ = ["Interrupted", "Lost", "config_path", "enabled", "identity", "run", "runtime_dir", "socket_path", "spawn",
+           "status", "stop", "suitable"]

@@ -20,6 +20,14 @@ if TYPE_CHECKING:
 FORWARDED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGWINCH", "SIGUSR1", "SIGUSR2")
 
 
+class Interrupted(Exception):
+    """The user interrupted the command before a process took it: it ran nowhere (exit 130)."""
+
+
+class Lost(Exception):
+    """The command's process ended without an exit status: it was killed."""
+
+
 def run(argv: list[str]) -> int | None:
     """Run `apirctl argv` in the resident process; None when none answers in time (run it here then).
 
@@ -27,6 +35,7 @@ def run(argv: list[str]) -> int | None:
     process that will run it); the command runs only after this side confirms ("go"), so a command
     given up on here never also runs there. Then this blocks until the command ends and returns its
     exit status; signals that reach this process (Ctrl-C, `kill`, a terminal resize) are passed on.
+    `Interrupted` and `Lost` say why there is no status; the entry point prints them.
     """
     import time
 
@@ -110,8 +119,7 @@ def _await_exit(conn: Any, deadline: float) -> int | None:
         for name, handler in saved.items():
             signal.signal(getattr(signal, name), handler)
         if any(signal.Signals(signum).name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") for signum in pending):
-            print("apirctl: interrupted", file=sys.stderr)
-            os._exit(130)
+            raise Interrupted
         return None
     if hasattr(signal, "SIGTSTP"):
         signal.signal(signal.SIGTSTP, suspend)
@@ -124,9 +132,7 @@ def _await_exit(conn: Any, deadline: float) -> int | None:
         except OSError:
             message = None
         if message is None:
-            # The connection closed without a status: the command's process was killed.
-            print("apirctl: the command's process ended without an exit status", file=sys.stderr)
-            return 1
+            raise Lost("the command's process ended without an exit status")
         if "exit" in message:
             return int(message["exit"])
 

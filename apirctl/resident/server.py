@@ -60,7 +60,7 @@ def _prewarm() -> PreparedApp:
                    "apirctl.config", "apirctl.serve", "apirctl.models", "apirctl.podman.engine",
                    "apirctl.podman.libpod", "apirctl.build.image", "apirctl.build.llamacpp",
                    "apirctl.remoting.transport", "apirctl.remoting.hostloopback", "apirctl.machine",
-                   "apirctl.chat", "apirctl.diagnose.doctor", "apirctl.bench"):
+                   "apirctl.chat", "apirctl.cli.chat_session", "apirctl.diagnose.doctor", "apirctl.bench"):
         with contextlib.suppress(ImportError):  # an optional part: a command imports it itself if needed
             importlib.import_module(module)
     runner = root.PreparedApp()

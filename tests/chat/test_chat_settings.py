@@ -82,3 +82,25 @@ def test_set_and_image_in_the_session(server: FakeChatServer, tmp_path: Path) ->
     assert first["messages"][-1]["content"][1]["type"] == "image_url"
     assert second["messages"][-1] == {"role": "user", "content": "And now?"}  # the image went once
     assert second["temperature"] == 0.2
+
+
+def test_a_conversation_keeps_only_answered_turns(server: FakeChatServer) -> None:
+    """The library side of the session, with no terminal: the history, `/set`, and a failed turn that
+    leaves the history as it was (the CLI prints; `chat` only returns and raises)."""
+    from apirctl import chat
+    from apirctl.errors import ApirctlError
+
+    with chat.ChatClient(server.url) as client:
+        conversation = chat.Conversation(client, system="Be brief.")
+        assert conversation.set("temp 0.3") == "temp = 0.3"
+        assert conversation.set("top-k x") == "top-k takes a number, not 'x'"
+        pieces: list[str] = []
+        reply = conversation.send("Capital of France?", pieces.append)
+        assert reply.content == "Paris." and "".join(pieces) == "Paris."
+        assert [m["role"] for m in conversation.messages] == ["system", "user", "assistant"]
+        assert server.requests[-1]["temperature"] == 0.3 and conversation.last is reply
+    with chat.ChatClient("http://127.0.0.1:1/v1") as closed:
+        conversation.client = closed
+        with pytest.raises(ApirctlError):
+            conversation.send("And of Spain?", pieces.append)
+    assert [m["role"] for m in conversation.messages] == ["system", "user", "assistant"]
