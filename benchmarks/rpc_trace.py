@@ -154,6 +154,7 @@ def _addr(text: str) -> tuple[str, int]:
 
 def per_token(short: dict, long: dict, tokens: int) -> dict[str, float]:
     """Per generated token: (long run - short run) / the extra tokens generated."""
+
     def diff(key: str) -> float:
         return (float(long[key]) - float(short[key])) / tokens  # type: ignore[arg-type]
 

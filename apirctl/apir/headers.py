@@ -109,6 +109,7 @@ def write(out: Path) -> list[Path]:
 
 # ---- parsing -----------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Prototype:
     returns: str

@@ -236,4 +236,3 @@ def _drive(proc: BackendProcess, report: SelftestReport, cheap_calls: int, graph
 def _get(proc: BackendProcess, buffer: int, t: tensor.Tensor, staging: int) -> bytes:
     proc.call("buffer_get_tensor", buffer=buffer, tensor=t.to_rpc(), res_id=staging, offset=0, size=t.nbytes)
     return proc.shmem_read(staging, t.nbytes)
-

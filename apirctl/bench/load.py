@@ -271,7 +271,6 @@ def run(url: str, params: LoadParams, on_progress: LoadProgressFn | None = None)
 def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = None,
           label: str | None = None) -> Run:
     """A serving run, ready to print and save, with the same system description as llama-bench runs."""
-
     served, levels = run(url, params, on_progress)
     return Run(
         id=new_id(), created=now_iso(), kind="serving",
@@ -285,5 +284,4 @@ def bench(url: str, params: LoadParams, on_progress: LoadProgressFn | None = Non
 
 def running_server_url(name: str | None = None) -> str:
     """The API address of an apirctl inference server: the one named, else the only one running."""
-
     return serve.find_server(name).url

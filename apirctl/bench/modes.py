@@ -102,7 +102,6 @@ class ModelFile:
 
 def model_file(ref: str) -> ModelFile:
     """Resolve a model reference through the model store (which fetches what is missing)."""
-
     found = models.resolve(ref, pull=True)
     label = Path(found.filename).name if found.source == "file" else found.name
     return ModelFile(label=label, path=found.path, filename=found.filename)
@@ -132,7 +131,6 @@ def run_native(ctx: Context) -> ModeOutcome:
 
 def _image(ctx: Context) -> str:
     """The inference image (built on first use), or Skipped saying what is missing."""
-
     try:
         build = llamacpp.container_build() or _host_build()
         tag = image.ensure(build)
@@ -144,7 +142,6 @@ def _image(ctx: Context) -> str:
 
 def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[Result]:
     """llama-bench as a one-shot container with the model mounted read-only; no network unless a plan adds it."""
-
     if plan is not None and plan.image:
         tag = plan.image
     elif plan is not None and plan.image_backend:
@@ -355,7 +352,6 @@ def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
     `client` picks where the remoting mode's llama-bench runs: "container" (the real path; the
     host when no container engine is installed) or "host" (the rpc path without a container).
     """
-
     params.validate()
     if client not in CLIENTS:
         raise ApirctlError(f"unknown remoting client {client!r} (known: {', '.join(CLIENTS)})")

@@ -162,7 +162,6 @@ def exists(tag: str) -> bool:
 
 def built_from(tag: str) -> str | None:
     """The build id an image of ours was made from (None when the image or its label is missing)."""
-
     proc = subprocess.run([engine.podman_binary(), "image", "inspect", "--format",
                            f'{{{{index .Labels "{BUILD_LABEL}"}}}}', tag],
                           env=engine.podman_env(), capture_output=True, text=True)
@@ -177,7 +176,6 @@ def is_current(build: Build, tag: str | None = None) -> bool:
 
 def build_image(build: Build, tag: str | None = None) -> str:
     """Build the image from the container build; returns its tag."""
-
     tag = tag or tag_for(build)
     with tempfile.TemporaryDirectory(prefix="apirctl-image-") as tmp:
         context = Path(tmp)

@@ -164,7 +164,6 @@ def host_options(backend: Backend | None = None) -> BuildOptions:
     chosen = backend or detect_backend()
     arch = None
     if chosen == "cuda":  # part of the cache key, so read on every lookup, not only by `apirctl setup`
-
         arch = config.settings().cuda_architectures
     return BuildOptions(backend=chosen, virtgpu_backend=True, cuda_architectures=arch)
 
@@ -229,8 +228,6 @@ def vulkan_options() -> BuildOptions:
 
 
 # --- the source -----------------------------------------------------------------------------------
-
-
 
 
 def _sdist_name() -> str:

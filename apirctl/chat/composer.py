@@ -128,7 +128,6 @@ class Composer:
 
 def history_file() -> Path:
     """Where the interactive prompt keeps its line history across sessions."""
-
     return dirs().state / "chat_history"
 
 

@@ -172,4 +172,3 @@ def inventory(dirs: Iterable[Path] = SPEC_DIRS, use_nvidia_ctk: bool = True) -> 
             seen.add(name)
             result.devices.append(CdiDevice(kind=parsed[0], name=parsed[1], spec="nvidia-ctk"))
     return result
-

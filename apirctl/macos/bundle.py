@@ -91,8 +91,6 @@ class Bundle(BaseModel):
         return changed
 
 
-
-
 def root() -> Path:
     return dirs().bundles
 

@@ -45,8 +45,6 @@ def entitlements_file() -> Path:
     return package_data("krunkit_patches", "krunkit.entitlements")
 
 
-
-
 # --- reading Mach-O files -----------------------------------------------------------------------
 
 
@@ -371,7 +369,6 @@ def _sign_and_verify(path: Path) -> None:
     if verified.returncode != 0:
         why = tail(verified.stderr or verified.stdout, default=f"exit {verified.returncode}")
         raise ApirctlError(f"codesign --verify rejected {path.name}: {why}")
-
 
 
 def patch(bin_dir: Path, krunkit: str | None = None, force: bool = False) -> PatchResult:

@@ -155,7 +155,6 @@ INIT_HINT = "CONTAINERS_MACHINE_PROVIDER=libkrun podman machine init"
 
 def status(name: str | None = None) -> MachineStatus:
     """The remoting state, precisely, with the next step to take."""
-
     machine_name = name or DEFAULT_MACHINE
     if shutil.which("podman") is None:
         return _st(MachineState.NOT_INSTALLED, "podman is not installed",
@@ -248,7 +247,6 @@ def _verify_mapped(b: Bundle) -> str:
 def run_selftest(b: Bundle) -> dict[str, Any]:
     """The APIR backend selftest against the bundle's libraries (in a child process): a backend
     that cannot even initialise must not be loaded into krunkit, where a crash takes the VM down."""
-
     try:
         report = selftest.run(library=b.backend_path, ggml_library=b.ggml_path, reg=b.ggml_reg,
                               cheap_calls=50, graph_calls=5)

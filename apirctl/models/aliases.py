@@ -33,7 +33,6 @@ class Alias(BaseModel):
 
 def table() -> list[Alias]:
     """The effective table: the config's `model_aliases` win over shipped names."""
-
     configured = settings().model_aliases
     rows = {name: Alias(name=name, target=target, origin="shipped") for name, target in SHIPPED.items()}
     for name, target in configured.items():
@@ -59,7 +58,6 @@ def expand(text: str) -> tuple[str, str | None]:
 
 def names_for(canonical: str) -> list[str]:
     """Aliases that lead to a canonical reference (shown next to the model in `models list`)."""
-
     found = []
     for alias in table():
         try:

@@ -225,6 +225,7 @@ def _scan_header(path: Path) -> Header:
     try:
         limit = path.stat().st_size
         with path.open("rb") as fh:
+
             def take(fmt: str) -> Any:
                 size = struct.calcsize("<" + fmt)
                 return struct.unpack("<" + fmt, fh.read(size))[0]

@@ -294,7 +294,6 @@ def _st(state: MachineState, summary: str, next_step: str | None = None, **detai
 
 def _find_build() -> tuple[Build | None, str | None]:
     """The host build and its server binary's problem, if any."""
-
     try:
         build = llamacpp.current_build()
     except ApirctlError as exc:

@@ -179,7 +179,6 @@ def remote_rpc_plan(backends: list[str], ngl: int, via_ssh: str | None = None, i
     non-loopback address is refused unless `insecure_network`: the RPC protocol has no
     authentication.
     """
-
     if not backends:
         raise ApirctlError("no --rpc-backend given")
     endpoints: list[str] = []

@@ -69,7 +69,6 @@ def _alive(pid: int) -> bool:
 def open_tunnel(via: str, target_host: str, target_port: int, ssh_args: list[str] | None = None,
                 timeout: float = OPEN_TIMEOUT) -> Tunnel:
     """Start the forward and wait until an RPC server answers through it; raise a clear error if not."""
-
     dest, via_args = split_via(via)
     local = _free_loopback_port()
     log = ensure(dirs().logs) / f"ssh-tunnel-{local}.log"

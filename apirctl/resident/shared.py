@@ -145,4 +145,3 @@ class Reader:
         body, self.data = self.data[_HEADER.size:_HEADER.size + size], self.data[_HEADER.size + size:]
         message = marshal.loads(body)
         return message if isinstance(message, dict) else None
-

@@ -52,7 +52,6 @@ class ServeOptions(BaseModel):
 
 def options(model: str, **flags: Any) -> ServeOptions:
     """ServeOptions from the effective settings (config file, environment) and the given flags."""
-
     keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port")
     if flags.get("rpc_backends") and flags.get("gpu_devices"):
         raise ApirctlError("--rpc-backend and --gpu-device are two different transports",
@@ -234,7 +233,6 @@ def resolve_model(ref: str) -> ModelFile:
 
     Store blobs are named by digest, so the container sees each file under its original name.
     """
-
     found = models.resolve(ref, pull=True)
     name = Path(found.filename).stem if found.source == "file" else found.name
     return ModelFile(path=found.path, filename=found.filename, name=name, files=found.files(),

@@ -104,7 +104,6 @@ ProgressFn = Callable[[str], None]
 
 def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None, api: PodmanApi) -> str:
     """The image to run: --image, else the transport's, else apirctl's local build."""
-
     chosen = opts.image or plan.image
     if chosen:
         if not api.exists("images", chosen):
@@ -234,7 +233,6 @@ def _one_virtgpu_at_a_time(plan: Plan) -> None:
 
 def _check_remote(opts: ServeOptions) -> None:
     """Refuse bad --rpc-backend/--via-ssh input before anything is fetched, created or opened."""
-
     if host.is_macos():
         raise ApirctlError("--rpc-backend is for Linux hosts", hint="on macOS use `--transport virtgpu`")
     if opts.via_ssh:
@@ -247,7 +245,6 @@ def _check_remote(opts: ServeOptions) -> None:
 
 def _remote_plan(opts: ServeOptions) -> Plan:
     """The rpc wiring of explicit backends; with --via-ssh this opens (and records) the tunnels."""
-
     ssh_args = [arg for option in opts.ssh_options for arg in ("-o", option)]
     return transport.remote_rpc_plan(opts.rpc_backends, opts.ngl, via_ssh=opts.via_ssh,
                                      insecure_network=opts.insecure_network, ssh_args=ssh_args)
@@ -260,7 +257,6 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
     log lines come with the error (`ServeFailed.log_tail`), the container is removed unless
     `opts.keep`, and SSH tunnels opened for it are closed.
     """
-
     phases: list[Phase] = []
     current: list[tuple[str, float]] = []
 
@@ -390,7 +386,6 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
                      phase: ProgressFn, progress: ProgressFn | None, api: PodmanApi,
                      instance: Instance | None = None) -> Server:
     """Image, container, start, wait for /health; a failed container is removed (unless --keep)."""
-
     phase("image")
     image_ref = _image_for(opts, plan, progress, api)
     spec = _spec(opts, plan, model, name, image_ref)

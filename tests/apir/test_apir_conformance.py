@@ -44,6 +44,7 @@ def test_constants_match_the_headers(harness) -> None:  # type: ignore[no-untype
     assert (c["PROTOCOL_MAJOR"], c["PROTOCOL_MINOR"], c["HANDSHAKE_MAGIC"]) == (
         protocol.PROTOCOL_MAJOR, protocol.PROTOCOL_MINOR, protocol.HANDSHAKE_MAGIC)
     assert {m.name: m.value for m in protocol.CommandType} == {k: c[k] for k in ("HANDSHAKE", "LOADLIBRARY", "FORWARD")}
+
     def prefixed(prefix: str) -> dict[str, int]:
         return {k[len(prefix):]: v for k, v in c.items() if k.startswith(prefix) and k != "FORWARD_INDEX_INVALID"}
 

@@ -38,4 +38,3 @@ def llama_server(llama_build: Any, demo_model: Path, tmp_path_factory: pytest.Te
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-

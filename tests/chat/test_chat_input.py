@@ -1,4 +1,4 @@
-'''How the chat prompt joins what is typed or pasted into messages (`apirctl.chat.composer.Composer`).'''
+"""How the chat prompt joins what is typed or pasted into messages (`apirctl.chat.composer.Composer`)."""
 
 from __future__ import annotations
 

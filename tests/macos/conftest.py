@@ -196,6 +196,7 @@ def homebrew_on_mac(fake_mac: FakeMac, homebrew: Homebrew, monkeypatch: pytest.M
     """The Homebrew chain on PATH and registered with the fakes: podman's default krunkit, signed as
     shipped."""
     monkeypatch.setenv("PATH", f"{os.environ['PATH']}{os.pathsep}{homebrew.krunkit.parent}")
+
     def change(s: dict[str, Any]) -> None:
         s["helpers"] = {"krunkit": str(homebrew.krunkit)}
         shipped = [homebrew.krunkit, homebrew.libkrun, homebrew.virgl, *homebrew.files.iterdir()]

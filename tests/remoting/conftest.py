@@ -43,4 +43,3 @@ def backend(with_build) -> Iterator[int]:  # type: ignore[no-untyped-def]
         if record is not None and rpc_server.is_backend_process(record.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(record.pid, signal.SIGKILL)
-

@@ -22,6 +22,7 @@ import numpy as np
 OLLAMA_PREFIX = "application/vnd.ollama.image."
 OLLAMA_MODEL = OLLAMA_PREFIX + "model"
 
+
 def write_gguf(path: Path, *, name: str = "tiny", payload_kb: int = 256, chat_template: bool = True,
                file_type: bool = True) -> Path:
     """A small but complete llama-architecture GGUF (header, vocabulary, tensors)."""

@@ -68,5 +68,3 @@ def files_under(root: Path) -> set[str]:
     if not root.exists():
         return set()
     return {str(p.relative_to(root)) for p in root.rglob("*")}
-
-
