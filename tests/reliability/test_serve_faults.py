@@ -143,6 +143,26 @@ def test_three_serves_racing_for_one_port(env: dict[str, str]) -> None:
     assert port_is_free(port)
 
 
+def test_three_serves_racing_for_one_name(env: dict[str, str]) -> None:
+    """Each on a port of its own: the name check passes for all three, Podman's create lets one have the
+    name; the others fail in one line, leave no container (the winner's is never taken for theirs) and
+    free their ports."""
+    name, ports = f"rel-same-{uuid.uuid4().hex[:6]}", [free_port() for _ in range(3)]
+    with ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda p: sweep("serve", env["model"], "--transport", "none", "--port", str(p),
+                                             "--name", name, "--json"), ports))
+    won = [port for port, out in zip(ports, outs, strict=True) if out.code == 0]
+    assert len(won) == 1, [o.stderr for o in outs]
+    for port, out in zip(ports, outs, strict=True):
+        if out.code:
+            out.fails_cleanly(code=1, says=name)
+            assert "already" in out.stderr and port_is_free(port)
+    listed = [s for s in json.loads(sweep("ps", "--all", "--json").succeeds().stdout) if s["name"] == name]
+    assert len(listed) == 1 and listed[0]["port"] == won[0] and healthy(listed[0]["url"])
+    sweep("stop", name).succeeds()
+    assert not exists(name) and port_is_free(won[0])
+
+
 def test_twenty_parallel_ps(env: dict[str, str]) -> None:
     with ThreadPoolExecutor(10) as pool:
         outs = list(pool.map(lambda _: sweep("ps", "--json"), range(20)))
@@ -182,19 +202,29 @@ def test_the_podman_service_unreachable(env: dict[str, str], tmp_path: Path) -> 
     sweep("ps", env={"CONTAINER_HOST": gone}).fails_cleanly()
 
 
-def test_zz_container_killed_mid_chat(env: dict[str, str]) -> None:
-    """Last: the shared server dies here. chat ends with one error, ps says so, stop removes it."""
+@pytest.mark.parametrize("fault", [["kill"], ["rm", "-f"]], ids=["killed", "removed"])
+def test_zz_container_gone_mid_chat(env: dict[str, str], fault: list[str]) -> None:
+    """Last: the shared server dies here (and is served again). chat ends with one error line and a
+    hint; a killed container is listed as exited with its code, and `stop` removes it; a removed one
+    is gone from `ps -a`."""
     proc = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", env["url"], "--prompt",
                              "Count from one to five hundred, in words.", "--max-tokens", "2000"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     assert proc.stdout is not None
     proc.stdout.read(1)  # the answer has begun
-    subprocess.run(["podman", "--url", env["podman"], "kill", env["name"]], capture_output=True, timeout=60)
+    done = subprocess.run(["podman", "--url", env["podman"], *fault, env["name"]], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
     out_rest, err = proc.communicate(timeout=120)
-    Outcome(("chat",), proc.returncode, out_rest, err).fails_cleanly(code=1)
+    out = Outcome(("chat",), proc.returncode, out_rest, err).fails_cleanly(code=1, says="closed in the middle")
+    assert out.error_lines[-1].startswith("hint:"), out.stderr
     listed = json.loads(sweep("ps", "--all", "--json").succeeds().stdout)
-    assert any(s["name"] == env["name"] and s["state"] != "running" for s in listed)
-    sweep("stop", env["name"]).succeeds()
-    assert not exists(env["name"])
+    mine = [s for s in listed if s["name"] == env["name"]]
+    if fault == ["kill"]:
+        assert mine and mine[0]["state"] != "running" and mine[0]["why"].startswith("exited (code "), mine
+        sweep("stop", env["name"]).succeeds()
+    else:
+        assert not mine
+        sweep("stop", env["name"]).fails_cleanly(code=1, says=f"no inference server named {env['name']!r}")
+    assert not exists(env["name"]) and port_is_free(int(env["port"]))
     sweep("serve", env["model"], "--transport", "none", "--port", env["port"], "--name", env["name"],
           "--json").succeeds()  # the module's teardown expects it, and the env fixture checks it answers
