@@ -267,7 +267,8 @@ def write_value(key: str, raw: str | None) -> Path:
         except FileNotFoundError:
             data = b""
         except OSError as exc:
-            raise ApirctlError(f"config file {path}: cannot read it ({exc.strerror})") from None
+            raise ApirctlError(f"config file {path}: cannot read it ({exc.strerror})",
+                               hint="check its permissions, or set APIRCTL_HOME to use another folder") from None
         if raw is None:
             text = _without_key(path, data, key)
         else:

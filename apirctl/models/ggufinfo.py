@@ -58,7 +58,8 @@ def check_magic(path: Path, label: str) -> None:
     except IsADirectoryError:
         raise ApirctlError(f"{label}: {path} is a directory, not a GGUF file") from None
     except OSError as exc:
-        raise ApirctlError(f"{label}: cannot read {path}: {exc.strerror or exc}") from None
+        raise ApirctlError(f"{label}: cannot read {path}: {exc.strerror or exc}",
+                           hint="check its permissions (apirctl reads it as the user who runs it)") from None
     if head != MAGIC:
         raise ApirctlError(
             f"{label}: not a GGUF file (magic {head!r}, expected {MAGIC!r})",

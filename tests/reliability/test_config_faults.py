@@ -14,7 +14,7 @@ import pytest
 
 from apirctl.paths import dirs
 from apirctl.resident import config_path
-from tests.support.sweep import sweep
+from tests.support.sweep import NOBODY, as_user, sweep
 
 NOT_UTF8 = b'port = 1300\ndefault_model = "caf\xe9"\n'
 
@@ -68,11 +68,21 @@ def test_a_directory_in_place_of_the_file(home: Path) -> None:
     sweep("config", "show").fails_cleanly(code=1, says="cannot read it")
 
 
-@pytest.mark.skipif(os.getuid() == 0, reason="root reads any file")
-def test_unreadable_file(home: Path) -> None:
-    path = write("port = 1300\n")
+def test_unreadable_file(home: Path, elsewhere: Path) -> None:
+    """As a user who may not read it (root reads any file): the config file of that user's own home,
+    mode 0; every command that reads settings says so in one line, and nothing rewrites it."""
+    env = as_user(elsewhere)
+    path = Path(env["APIRCTL_HOME"]) / "config" / "config.toml"
+    path.parent.mkdir()
+    path.write_text("port = 1300\n")
+    for made in (path.parent, path):
+        os.chown(made, NOBODY, NOBODY)
     path.chmod(0)
-    sweep("config", "show").fails_cleanly(code=1, says="cannot read it")
+    for command in (["config", "show"], ["config", "set", "port", "1400"], ["serve", "smollm2"]):
+        out = sweep(*command, env=env, user=NOBODY).fails_cleanly(code=1, says=f"config file {path}: cannot read it")
+        assert out.error_lines[1].startswith("hint: check its permissions"), out.stderr
+    path.chmod(0o600)
+    assert path.read_text() == "port = 1300\n"
 
 
 def test_empty_file_is_the_defaults(home: Path) -> None:

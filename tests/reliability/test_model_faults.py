@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.sweep import sweep
+from tests.support.sweep import NOBODY, as_user, sweep
 
 pytestmark = pytest.mark.integration
 
@@ -71,12 +71,19 @@ def test_a_missing_file(tmp_path: Path, no_new_containers: None) -> None:
     serve_refuses(str(tmp_path / "nowhere.gguf"), "no such file")
 
 
-@pytest.mark.skipif(os.getuid() == 0, reason="root reads any file")
-def test_an_unreadable_file(demo_model: Path, tmp_path: Path, no_new_containers: None) -> None:
-    path = tmp_path / "locked.gguf"
+def test_an_unreadable_file(demo_model: Path, elsewhere: Path, no_new_containers: None) -> None:
+    """As a user who may not read it (root reads any file): a copy of the demo model, mode 0600 and
+    root's; serve and `models inspect` refuse it in one line before any container."""
+    env = as_user(elsewhere)
+    path = elsewhere / "locked.gguf"
     shutil.copy(demo_model, path)
-    path.chmod(0)
-    serve_refuses(str(path), "cannot read")
+    path.chmod(0o600)
+    for out in (sweep("serve", str(path), "--transport", "none", "--port", "20179", "--name", NAME, env=env,
+                      user=NOBODY),
+                sweep("models", "inspect", str(path), env=env, user=NOBODY)):
+        out.fails_cleanly(code=1, says=f"cannot read {path}: Permission denied")
+        assert out.error_lines[-1].startswith("hint: check its permissions"), out.stderr
+    assert sweep("models", "inspect", str(path), "--json").succeeds()  # its owner still reads it
 
 
 @pytest.mark.parametrize("ref", ["no-such-model-anywhere", "hf://", "ollama://", "hf://owner",

@@ -56,12 +56,40 @@ def apirctl_argv() -> list[str]:
 
 
 def sweep(*args: str, env: dict[str, str] | None = None, timeout: float = 120, stdin: str | None = None,
-          cwd: Path | None = None) -> Outcome:
-    """Run `apirctl ARGS` in a process of its own with the test's environment (plus `env`)."""
+          cwd: Path | None = None, user: int | None = None) -> Outcome:
+    """Run `apirctl ARGS` in a process of its own with the test's environment (plus `env`); with
+    `user`, as that uid (and gid), by `setpriv` (root only: `as_user` gives the user a home)."""
     full = {**os.environ, **(env or {})}
-    done = subprocess.run([*apirctl_argv(), *args], capture_output=True, text=True, env=full, timeout=timeout,
-                          input=stdin if stdin is not None else "", cwd=cwd or REPO)
+    become = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user is not None else []
+    done = subprocess.run([*become, *apirctl_argv(), *args], capture_output=True, text=True, env=full,
+                          timeout=timeout, input=stdin if stdin is not None else "", cwd=cwd or REPO)
     return Outcome(args, done.returncode, done.stdout, done.stderr)
+
+
+#: The throw-away user for cases that need someone other than the file's or socket's owner (root
+#: reads any file): nobody, whose uid no test's files belong to.
+NOBODY = 65534
+
+
+def can_switch_user() -> bool:
+    import shutil
+
+    return os.getuid() == 0 and shutil.which("setpriv") is not None
+
+
+def as_user(root: Path, uid: int = NOBODY) -> dict[str, str]:
+    """An apirctl home, runtime and cache folder under `root` (a new folder others may enter) owned
+    by `uid`: the environment `sweep(..., user=uid)` runs apirctl in."""
+    root.mkdir(mode=0o755, exist_ok=True)
+    root.chmod(0o755)
+    env = {}
+    for variable, name in (("APIRCTL_HOME", "home"), ("APIRCTL_RUNTIME_DIR", "run"), ("APIRCTL_CACHE_DIR", "cache"),
+                           ("HOME", "user"), ("APIRCTL_RESIDENT_DIR", "resident")):
+        folder = root / name
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chown(folder, uid, uid)
+        env[variable] = str(folder)
+    return env
 
 
 def files_under(root: Path) -> set[str]:
