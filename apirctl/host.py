@@ -38,3 +38,9 @@ def os_is_macos() -> bool:
     """True when the operating system under this process is macOS, whatever APIRCTL_PLATFORM says:
     what its compilers make, which system tools exist."""
     return sys.platform == "darwin"
+
+
+def os_is_linux() -> bool:
+    """True when the kernel under this process is Linux, whatever APIRCTL_PLATFORM says: what only
+    Linux offers (abstract Unix sockets, /proc)."""
+    return sys.platform.startswith("linux")

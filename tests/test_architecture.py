@@ -186,3 +186,58 @@ def test_library_returns_data_and_lets_the_cli_print(module: str) -> None:
     if module in PRINTS_ALLOWED:
         return
     assert _terminal_writes(ast.parse(MODULES[module].read_text())) == []
+
+
+def _guards_import_error(node: ast.AST) -> bool:
+    if isinstance(node, ast.Try):
+        return any(h.type is not None and "ImportError" in ast.unparse(h.type) for h in node.handlers)
+    return isinstance(node, ast.With) and any("ImportError" in ast.unparse(item.context_expr) for item in node.items)
+
+
+def _guarded_imports(module: str, tree: ast.Module) -> list[str]:
+    """apirctl's own modules imported under `except ImportError` or `suppress(ImportError)`: ours are
+    always there, so such a guard only hides a broken import."""
+    found = []
+    for node in ast.walk(tree):
+        if not _guards_import_error(node):
+            continue
+        for sub in (sub for stmt in node.body for sub in ast.walk(stmt)):
+            own = isinstance(sub, (ast.Import, ast.ImportFrom)) and (
+                bool(_targets(module, sub)) or "apirctl" in ast.unparse(sub))
+            if own or (isinstance(sub, ast.Call) and "import_module" in ast.unparse(sub.func)):
+                found.append(f"line {sub.lineno}: {ast.unparse(sub)}")
+    return found
+
+
+def test_the_guard_check_sees_a_guard() -> None:
+    sample = "try:\n    from apirctl import serve\nexcept ImportError:\n    serve = None\n"
+    assert _guarded_imports("apirctl.x", ast.parse(sample)) == ["line 2: from apirctl import serve"]
+
+
+def test_no_import_error_guard_around_apirctl_modules() -> None:
+    guarded = {module: found for module, path in MODULES.items()
+               if (found := _guarded_imports(module, ast.parse(path.read_text())))}
+    assert guarded == {}
+
+
+#: Where the platform may be read outside `host.py`, and why.
+PLATFORM_READ_ALLOWED = {
+    # The entry point's standard-library-only path (before anything of apirctl is imported) finds the
+    # config file as platformdirs does; importing `host` would cost `typing` there.
+    "apirctl.resident.shared": "start-up",
+    # The OS's name as `apirctl info` shows it when /etc/os-release cannot be read: text, not a decision.
+    "apirctl.diagnose.sysinfo": "display",
+}
+
+
+def test_the_platform_is_decided_in_host() -> None:
+    """`sys.platform`, `platform.system()` and `APIRCTL_PLATFORM` are read in `apirctl.host` only."""
+    readers = {}
+    for module, path in MODULES.items():
+        if module in ("apirctl.host", *PLATFORM_READ_ALLOWED):
+            continue
+        text = path.read_text()
+        found = [word for word in ("sys.platform", "platform.system()", '"APIRCTL_PLATFORM"') if word in text]
+        if found:
+            readers[module] = found
+    assert readers == {}

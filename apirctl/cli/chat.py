@@ -11,6 +11,8 @@ import typer
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from apirctl.serve import Server
+
 EPILOG = (
     "Examples:\n\n"
     "  apirctl chat                          talk to the running server\n\n"
@@ -237,11 +239,11 @@ def _target(url: str | None, name: str | None, interactive: bool) -> tuple[str, 
     return server.url, server.model if server.model != "?" else None
 
 
-def refuse_non_chat(server: Any) -> None:
+def refuse_non_chat(server: Server) -> None:
     """An embedding or reranking server does not chat: say so, and what it does answer."""
     from apirctl.errors import ApirctlError
 
-    kind = getattr(server, "kind", "chat")
+    kind = server.kind
     if kind == "embedding":
         raise ApirctlError(f"{server.name} serves an embedding model ({server.model}): it does not chat",
                            hint=f"it answers POST {server.url}/embeddings; chat with a chat model")

@@ -48,7 +48,6 @@ def _fingerprint() -> tuple[Any, ...]:
 
 def _prewarm() -> PreparedApp:
     """Import everything a command needs and build the command tree once; returns the runner."""
-    import contextlib
     import importlib
 
     from apirctl.cli import root
@@ -61,8 +60,7 @@ def _prewarm() -> PreparedApp:
                    "apirctl.podman.libpod", "apirctl.build.image", "apirctl.build.llamacpp",
                    "apirctl.remoting.transport", "apirctl.remoting.hostloopback", "apirctl.machine",
                    "apirctl.chat", "apirctl.cli.chat_session", "apirctl.diagnose.doctor", "apirctl.bench"):
-        with contextlib.suppress(ImportError):  # an optional part: a command imports it itself if needed
-            importlib.import_module(module)
+        importlib.import_module(module)  # each one a dependency or apirctl's own: none is optional
     runner = root.PreparedApp()
     _warm_http()
     import gc

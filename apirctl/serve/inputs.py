@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from apirctl import config, models
+from apirctl import config, host, models
 from apirctl.errors import ApirctlError
 from apirctl.serve.servers import list_servers
 
@@ -123,12 +123,11 @@ class PortClaim:
 
     def __init__(self, port: int) -> None:
         import os
-        import sys
 
         self.port = port
         self._sock: socket.socket | None = None
         self._file: Any = None
-        if sys.platform.startswith("linux"):
+        if host.os_is_linux():
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.bind(f"\0apirctl-serve-port-{os.getuid()}-{port}")
