@@ -13,11 +13,19 @@ passthrough: `apirctl.gpu`) is made from a CUDA or Vulkan build and keeps that b
 - Vulkan: `libggml-vulkan`, the Vulkan loader, and the host's Mesa Vulkan drivers (the ICD
   manifests and their libraries: RADV, ANV, lavapipe), which a `/dev/dri` render node needs in
   user space; NVIDIA's Vulkan driver comes from its CDI spec like its CUDA driver.
+
+Every image also carries the container's health check, `/app/bin/apirctl-health` (a small static
+program built here from `templates/apirctl-health.c`: the image has no HTTP client), and the host's
+`/bin/sh`, which `podman kube play` needs to run a Kubernetes probe (it wraps the probe's command in
+`sh -c`). The image's tag ends with a digest of what goes into it besides the build (`recipe`), so an
+image of an older recipe is never taken for the current one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -42,8 +50,48 @@ ICD_DIRS = (Path("/usr/share/vulkan/icd.d"), Path("/etc/vulkan/icd.d"))
 _LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x[0-9a-f]+\)")
 
 
+#: The container's health check (`templates/apirctl-health.c`), and what Podman runs: the server's
+#: port inside the container is always 8000 (`CONTAINER_PORT` of apirctl.serve).
+HEALTH_CHECK = "/app/bin/apirctl-health"
+HEALTH_SOURCE = "apirctl-health.c"
+#: Compiler flags of the health check: warnings on, one static file that needs nothing from the image.
+HEALTH_CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra", "-Wpedantic", "-Wshadow")
+#: A shell for `podman kube play`'s probes (`sh -c 'CHECK || exit 1'`); copied from the host.
+SHELL = Path("/bin/sh")
+#: Bump when stage_rootfs lays out the image differently (the tag changes with it).
+LAYOUT = "2: health check, /bin/sh"
+
+
+def recipe() -> str:
+    """A digest of what makes an image besides the llama.cpp build: the layout, the Containerfile
+    and the health check's source. It ends the tag, so serve's check for the tag finds no image of
+    an older recipe (one without a health check) and builds the current one."""
+    digest = hashlib.sha256(LAYOUT.encode())
+    for name in ("Containerfile.llama-server", HEALTH_SOURCE):
+        digest.update(package_data("templates", name).read_bytes())
+    return digest.hexdigest()[:8]
+
+
 def tag_for(build: Build) -> str:
-    return f"{IMAGE_REPO}:{build.source_version}-{build.backend}"
+    return f"{IMAGE_REPO}:{build.source_version}-{build.backend}-{recipe()}"
+
+
+def compile_health_check(dest: Path, extra_flags: tuple[str, ...] = ()) -> Path:
+    """Build `apirctl-health` with the host's C compiler (the one llama.cpp was built with), static so
+    it runs in any image; a host without a static C library gets a dynamic one (the image carries
+    the C library llama-server loads, and `stage_rootfs` adds what it needs)."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise ApirctlError("no C compiler to build the container's health check",
+                           hint="install gcc or clang (llama.cpp's build needs one too)")
+    source = package_data("templates", HEALTH_SOURCE)
+    base = [compiler, *HEALTH_CFLAGS, *extra_flags, "-o", str(dest), str(source)]
+    links: tuple[list[str], ...] = ([],) if extra_flags else (["-static", "-s"], [])  # sanitizers: dynamic
+    for link in links:
+        proc = subprocess.run([*base, *link], capture_output=True, text=True)
+        if proc.returncode == 0:
+            return dest
+    raise ApirctlError(f"the container's health check did not compile:\n{tail(proc.stderr or proc.stdout, 8)}")
 
 
 def render(template: str, **values: object) -> str:
@@ -77,6 +125,8 @@ def system_libraries(elf_files: list[Path], own_dir: bool = False) -> set[Path]:
     found: set[Path] = set()
     for elf in elf_files:
         proc = subprocess.run(["ldd", str(elf)], capture_output=True, text=True)
+        if "not a dynamic executable" in proc.stdout + proc.stderr:  # static: it loads nothing
+            continue
         if proc.returncode != 0:
             raise ApirctlError(f"ldd {elf} failed: {proc.stderr.strip() or proc.stdout.strip()}")
         for line in proc.stdout.splitlines():
@@ -121,6 +171,7 @@ def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
     for exe in IMAGE_EXECUTABLES:
         shutil.copy2(build.binary(exe), app_bin / exe)
         placed.append(app_bin / exe)
+    placed.append(compile_health_check(rootfs / HEALTH_CHECK.lstrip("/")))
     excluded = excluded_libraries(build.backend)
     for lib in build.shared_libraries():
         if lib.name.startswith(excluded):
@@ -132,6 +183,8 @@ def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
             shutil.copy2(lib, target)
             placed.append(target)
     needed = system_libraries(placed)
+    _copy_into(rootfs, SHELL)
+    needed |= system_libraries([SHELL], own_dir=True)
     if build.backend == "vulkan":
         drivers = vulkan_drivers()
         for manifest, library in drivers:

@@ -36,6 +36,27 @@ class BindMount(BaseModel):
     read_only: bool = True
 
 
+class HealthCheck(BaseModel):
+    """A container's health check, as Podman runs it: `command` directly (no shell) every
+    `interval_s`; `retries` failures in a row make it unhealthy, except during `start_period_s`
+    (the model is loading)."""
+
+    command: list[str]
+    #: the check of a liveness probe (Kubernetes YAML), for which a server still loading is alive
+    live_command: list[str] = Field(default_factory=list)
+    interval_s: int = 30
+    timeout_s: int = 10
+    retries: int = 3
+    start_period_s: int = 0
+
+    def config(self) -> dict[str, Any]:
+        """libpod's `healthconfig` (durations in nanoseconds, as Go's time.Duration)."""
+        second = 1_000_000_000
+        return {"Test": ["CMD", *self.command], "Interval": self.interval_s * second,
+                "Timeout": self.timeout_s * second, "Retries": self.retries,
+                "StartPeriod": self.start_period_s * second}
+
+
 class ContainerSpec(BaseModel):
     """What apirctl asks Podman for; `transport.Plan.apply` and `serve` fill it in."""
 
@@ -52,6 +73,7 @@ class ContainerSpec(BaseModel):
     network_options: dict[str, list[str]] = Field(default_factory=dict)
     security_opt: list[str] = Field(default_factory=list)
     restart_policy: str | None = None  # Podman's: no, on-failure[:N], always, unless-stopped
+    healthcheck: HealthCheck | None = None
 
     def restart(self) -> tuple[str, int | None] | None:
         """The policy's name and, for on-failure:N, its retry count."""
@@ -89,6 +111,8 @@ class ContainerSpec(BaseModel):
         if self.restart():
             name, tries = self.restart() or ("no", None)
             kwargs["restart_policy"] = {"Name": name, **({"MaximumRetryCount": tries} if tries else {})}
+        if self.healthcheck:
+            kwargs["healthcheck"] = self.healthcheck.config()
         return kwargs
 
 

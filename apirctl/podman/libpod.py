@@ -139,6 +139,8 @@ def create_body(spec: ContainerSpec) -> dict[str, Any]:
         body["restart_policy"] = restart[0]
         if restart[1]:
             body["restart_tries"] = restart[1]
+    if spec.healthcheck:
+        body["healthconfig"] = spec.healthcheck.config()
     return {key: value for key, value in body.items() if value not in ([], {})}  # podman-py drops empties too
 
 

@@ -23,7 +23,7 @@ from apirctl import __version__, config, gpu, host, models
 from apirctl.build import image, llamacpp
 from apirctl.errors import MISSING, ApirctlError
 from apirctl.podman import containers
-from apirctl.podman.containers import BindMount, ContainerSpec, PodmanApi
+from apirctl.podman.containers import BindMount, ContainerSpec, HealthCheck, PodmanApi
 from apirctl.podman.servers import (
     GPU_LABELS,
     L_AI_LAB,
@@ -331,10 +331,22 @@ def _spec(opts: ServeOptions, plan: Plan, model: ModelFile, name: str, image_ref
                 for f in model.files or [models.ModelFile(path=model.path, filename=model.filename)]],
         ports={CONTAINER_PORT: (publish_ip(opts.host_ip), opts.port)},
         restart_policy=check_restart(opts.restart) if opts.restart else None,
+        healthcheck=_healthcheck(opts, image_ref),
     )
     spec = plan.apply(spec)
     spec.command += opts.llama_args
     return spec
+
+
+def _healthcheck(opts: ServeOptions, image_ref: str) -> HealthCheck | None:
+    """Podman's health check of our own image (which carries the program it runs): ready when
+    llama-server's /health answers 200; the model's loading time (serve's --timeout) is its start
+    period. Another image (--image) may lack the program: it gets none."""
+    if not image_ref.startswith(image.IMAGE_REPO + ":"):
+        return None
+    port = str(CONTAINER_PORT)
+    return HealthCheck(command=[image.HEALTH_CHECK, port], live_command=[image.HEALTH_CHECK, "--live", port],
+                       start_period_s=int(opts.timeout))
 
 
 def generate(opts: ServeOptions, fmt: str) -> str:

@@ -1,9 +1,15 @@
 """Servers that outlive the terminal: the container `serve` makes, as a Podman quadlet unit or Kubernetes YAML.
 
 Both are rendered from the same `ContainerSpec` `serve` would create (image, command, model mounts,
-published port, devices, network, labels), so `systemctl --user start` of the quadlet or
-`podman kube play` of the YAML runs the server `apirctl serve` would have run. Podman's restart
+published port, devices, network, labels, health check), so `systemctl --user start` of the quadlet
+or `podman kube play` of the YAML runs the server `apirctl serve` would have run. Podman's restart
 policies map to systemd's `Restart=` and to the Pod's `restartPolicy`.
+
+The health check becomes quadlet's `HealthCmd=` (in the `CMD ...` form, which Podman runs without a
+shell) and, in the YAML, a liveness probe and a readiness probe. `podman kube play` runs only the
+liveness probe, as `sh -c 'COMMAND || exit 1'` (`kill 1` under a restart policy: the container
+restarts), so the liveness probe uses the check's `--live` form, for which a model still loading
+(llama-server's 503) is alive; the readiness probe (200 only) is for Kubernetes.
 """
 
 from __future__ import annotations
@@ -58,6 +64,11 @@ def quadlet(spec: ContainerSpec, restart: str | None = None, description: str = 
         lines.append("PodmanArgs=--entrypoint " + _systemd_quote(json.dumps(spec.entrypoint)))
     if spec.command:
         lines.append("Exec=" + " ".join(_systemd_quote(word) for word in spec.command))
+    if spec.healthcheck:
+        check = spec.healthcheck
+        lines += ["HealthCmd=" + " ".join(["CMD", *check.command]), f"HealthInterval={check.interval_s}s",
+                  f"HealthTimeout={check.timeout_s}s", f"HealthRetries={check.retries}",
+                  f"HealthStartPeriod={check.start_period_s}s"]
     systemd_restart = {"no": "no", "always": "always", "unless-stopped": "always"}.get(
         (restart or "no").split(":")[0], "on-failure")
     lines += ["", "[Service]", f"Restart={systemd_restart}", "TimeoutStartSec=900", "",
@@ -112,6 +123,13 @@ def kube(spec: ContainerSpec, restart: str | None = None) -> str:
                           for port, (ip, host_port) in spec.ports.items()]
     container["volumeMounts"] = [{"name": f"model-{i}", "mountPath": m.target, "readOnly": m.read_only}
                                  for i, m in enumerate(spec.mounts)]
+    if spec.healthcheck:
+        check = spec.healthcheck
+        timing = {"periodSeconds": check.interval_s, "timeoutSeconds": check.timeout_s,
+                  "failureThreshold": check.retries}
+        live = check.live_command or check.command
+        container["livenessProbe"] = {"exec": {"command": live}, "initialDelaySeconds": 5, **timing}
+        container["readinessProbe"] = {"exec": {"command": list(check.command)}, "initialDelaySeconds": 1, **timing}
     if spec.devices or any("disable" in opt for opt in spec.security_opt):
         container["securityContext"] = {"seLinuxOptions": {"type": "spc_t"}}
     # Podman 4's kube play refuses annotation values over 63 characters (the Kubernetes label limit).

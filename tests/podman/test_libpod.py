@@ -27,6 +27,8 @@ def _podman_py_body(spec: containers.ContainerSpec) -> object:
     {"entrypoint": ["llama-server"], "devices": ["/dev/dri"], "security_opt": ["label=disable"]},
     {"network_mode": "slirp4netns", "network_options": {"slirp4netns": ["allow_host_loopback=true"]},
      "environment": {"A": "1"}},
+    {"healthcheck": containers.HealthCheck(command=["/app/bin/apirctl-health", "8000"], start_period_s=300),
+     "restart_policy": "on-failure:2"},
 ])
 def test_create_body_is_what_podman_py_sends(tmp_path: Path, extra: dict[str, object]) -> None:
     spec = containers.ContainerSpec(

@@ -158,6 +158,7 @@ def test_generate_kube_runs_with_podman_kube_play(podman: str, llama_image: str,
     assert done.returncode == 0, done.stderr
     assert not container_exists(name)  # written down, not started
     assert f'"hostPort": {port}' not in done.stdout and f"hostPort: {port}" in done.stdout
+    assert '"/app/bin/apirctl-health"' in done.stdout and "livenessProbe:" in done.stdout
     yaml_file = tmp_path / "server.yaml"
     yaml_file.write_text(done.stdout)
     played = podman_remote(podman, "kube", "play", str(yaml_file))
@@ -166,8 +167,21 @@ def test_generate_kube_runs_with_podman_kube_play(podman: str, llama_image: str,
         assert wait_health(port) == "ok"
         answer = apirctl("chat", "--url", f"http://127.0.0.1:{port}/v1", "Hi", "--max-tokens", "4")
         assert answer.returncode == 0, answer.stderr
+        # the probe became the container's Podman health check, and it passes (kube play runs it in a shell)
+        container = f"{name}-llama-server"
+        config = json.loads(podman_remote(podman, "inspect", container, "--format",
+                                          "{{json .Config.Healthcheck}}").stdout)
+        assert "/app/bin/apirctl-health --live 8000" in " ".join(config["Test"])
+        check = podman_remote(podman, "healthcheck", "run", container)
+        assert check.returncode == 0, check.stdout + check.stderr
     finally:
         podman_remote(podman, "kube", "down", str(yaml_file))
+
+
+#: quadlet's health keys and the `podman run` options it writes for them (Podman's quadlet documentation)
+QUADLET_HEALTH = {"HealthCmd": "--health-cmd", "HealthInterval": "--health-interval",
+                  "HealthTimeout": "--health-timeout", "HealthRetries": "--health-retries",
+                  "HealthStartPeriod": "--health-start-period"}
 
 
 def test_generate_quadlet(podman: str, llama_image: str, demo_model: Path, name: str, port: int,
@@ -179,7 +193,18 @@ def test_generate_quadlet(podman: str, llama_image: str, demo_model: Path, name:
     assert f"Image={llama_image}" in unit and f"ContainerName={name}" in unit
     assert f"PublishPort=127.0.0.1:{port}:8000" in unit and f"Volume={demo_model}:/models/" in unit
     assert "Restart=always" in unit and "Exec=--model /models/" in unit
+    health = dict(line.split("=", 1) for line in unit.splitlines() if line.startswith("Health"))
+    assert health == {"HealthCmd": "CMD /app/bin/apirctl-health 8000", "HealthInterval": "30s",
+                      "HealthTimeout": "10s", "HealthRetries": "3", "HealthStartPeriod": "300s"}
     assert not container_exists(name)
+    # what quadlet hands to `podman run` (--health-cmd and the rest) is accepted by Podman and makes the
+    # check a command run directly (CMD), not through a shell
+    flags = [f"{QUADLET_HEALTH[key]}={value}" for key, value in health.items()]
+    made = podman_remote(podman, "create", "--name", name, *flags, llama_image)
+    assert made.returncode == 0, made.stderr
+    config = json.loads(podman_remote(podman, "inspect", name, "--format", "{{json .Config.Healthcheck}}").stdout)
+    assert config["Test"] == ["CMD", "/app/bin/apirctl-health", "8000"] and config["StartPeriod"] == 300 * 10**9
+    podman_remote(podman, "rm", "-f", name)
     generator = next((p for p in (Path("/usr/libexec/podman/quadlet"), Path("/usr/lib/podman/quadlet"))
                       if p.exists()), None)
     if generator is None:
@@ -192,6 +217,24 @@ def test_generate_quadlet(podman: str, llama_image: str, demo_model: Path, name:
     parsed = subprocess.run([str(generator), "-user", "-dryrun"], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "QUADLET_UNIT_DIRS": str(units)}, check=False)
     assert parsed.returncode == 0 and "podman run" in parsed.stdout, parsed.stderr
+    assert "--health-cmd" in parsed.stdout
+
+
+def test_served_container_has_a_podman_health_check(podman: str, llama_image: str, demo_model: Path, name: str,
+                                                     port: int) -> None:
+    """`podman healthcheck run` passes on a served container, whose image has no HTTP client of its own;
+    the same check fails where nothing answers."""
+    serve_json(str(demo_model), "--transport", "none", "-p", str(port), "-n", name, "--timeout", "120")
+    config = json.loads(podman_remote(podman, "inspect", name, "--format", "{{json .Config.Healthcheck}}").stdout)
+    assert config["Test"] == ["CMD", "/app/bin/apirctl-health", "8000"]
+    assert config["StartPeriod"] == 120 * 10**9 and config["Retries"] == 3
+    check = podman_remote(podman, "healthcheck", "run", name)
+    assert check.returncode == 0, check.stdout + check.stderr
+    health = json.loads(podman_remote(podman, "inspect", name, "--format", "{{json .State.Health}}").stdout)
+    assert health["Status"] == "healthy" and 'HTTP 200 {"status":"ok"}' in health["Log"][-1]["Output"]
+    elsewhere = podman_remote(podman, "exec", name, "/app/bin/apirctl-health", "8001")
+    assert elsewhere.returncode == 1 and "cannot connect to 127.0.0.1:8001" in elsewhere.stdout
+    assert apirctl("stop", name).returncode == 0
 
 
 def test_restart_policy(podman: str, llama_image: str, demo_model: Path, name: str, port: int) -> None:
