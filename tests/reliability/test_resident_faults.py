@@ -161,6 +161,29 @@ def test_completion_works_with_the_resident_process_on(run_dir: Path, tmp_path: 
         assert "apirctl" in (tmp_path / ".bashrc").read_text()
 
 
+def test_bash_completion_script_completes_with_the_resident_process_on(run_dir: Path, tmp_path: Path) -> None:
+    """`apirctl --show-completion bash` as a user types it, the resident on: the real script, and bash,
+    having loaded it, completes commands and options through apirctl."""
+    bin_dir = str(Path(sys.executable).parent)
+    env = {**os.environ, "APIRCTL_RESIDENT": "1", "HOME": str(tmp_path), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    assert started(env)["running"]
+    shown = subprocess.run(["apirctl", "--show-completion", "bash"], capture_output=True, text=True, env=env,
+                           timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert "complete -o default -F _apirctl_completion apirctl" in shown.stdout
+    assert "_APIRCTL_COMPLETE=complete_bash" in shown.stdout and "not supported" not in shown.stderr
+    script = shown.stdout + (
+        '\nCOMP_WORDS=(apirctl se); COMP_CWORD=1; _apirctl_completion apirctl; echo "${COMPREPLY[*]}"'
+        '\nCOMP_WORDS=(apirctl chat --p); COMP_CWORD=2; _apirctl_completion apirctl; echo "${COMPREPLY[*]}"\n'
+    )
+    completed = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert completed.returncode == 0, completed.stderr
+    commands, options = completed.stdout.splitlines()
+    assert commands.split() == ["serve", "setup"]
+    assert {"--port", "--prompt", "--plain"} <= set(options.split())
+    assert state()["running"], "the resident process is still there"
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
 def test_another_user_gets_nothing_from_the_socket(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("APIRCTL_RESIDENT", "1")
