@@ -178,11 +178,11 @@ def describe(data: bytes | memoryview) -> dict[str, Any]:
             return out
         fn = table.by_index(flags)
         out["function"] = fn.qualname
-        out["request"] = {k: _plain(v) for k, v in decode_request(fn, rest, exact=True).items()}
+        out["request"] = {k: plain(v) for k, v in decode_request(fn, rest, exact=True).items()}
     return out
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """JSON-friendly form of a decoded value."""
     import dataclasses
 

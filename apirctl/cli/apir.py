@@ -158,3 +158,114 @@ def decode(
         console().print(f"  {key} = {escape(repr(value))}")
     if "guest_version" in described:
         console().print(f"  guest version {described['guest_version']}")
+
+
+def _ms(ns: int) -> str:
+    return f"{ns / 1e6:.3f}"
+
+
+def _trace_line(record: Any, origin: int, with_arguments: bool) -> str:
+    """One record as a line: index, time since the first command, function, sizes, time, outcome."""
+    at = (record.start_ns - origin) / 1e6
+    line = (f"{record.index:>7} {at:>12.3f} ms  {record.name:<28} {len(record.request):>6} B -> "
+            f"{len(record.reply):>5} B  {record.duration_ns / 1e3:>10.1f} us  {record.outcome}")
+    if with_arguments:
+        problem = record.problem()
+        if problem:
+            line += f"\n          undecodable: {problem}"
+        else:
+            args = record.arguments()
+            for part in ("request", "reply"):
+                if args.get(part):
+                    shown = ", ".join(f"{k}={_short(v)}" for k, v in args[part].items())
+                    line += f"\n          {part}: {shown}"
+    return line
+
+
+def _short(value: Any) -> str:
+    """A decoded value in one short piece: tensors by name, op and shape."""
+    if isinstance(value, dict) and "ne" in value:
+        return f"<tensor {value.get('name') or '?'} op={value.get('op')} ne={list(value.get('ne') or [])}>"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@app.command(
+    help="Decode a trace written by `apir-host --trace`: each command, the forwarded function's name, request "
+    "and reply sizes, the host's time, and a summary (calls per function, total time, calls per graph "
+    "compute, i.e. per generated token).\n\n"
+    "Examples:\n\n"
+    "  apirctl apir trace ./apir.trace --summary\n\n"
+    "  apirctl apir trace ./apir.trace --args --json\n\n"
+    "  apirctl apir trace ./apir.trace --follow"
+)
+def trace(
+    path: Annotated[Path, typer.Argument(help="A trace file.")],
+    arguments: Annotated[bool, typer.Option("--args", help="Decode each command's request and reply "
+                                            "fields.")] = False,
+    summary_only: Annotated[bool, typer.Option("--summary", help="Print only the summary.")] = False,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep reading as the host writes (Ctrl-C "
+                                         "ends); with --json, one JSON object per line.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print records and summary as JSON.")] = False,
+) -> None:
+    """Decode a trace written by `apir-host --trace`."""
+    import json as json_lib
+
+    from apirctl.apir import trace as apir_trace
+    from apirctl.cli.output import print_json
+    from apirctl.errors import ApirctlError
+
+    if path.is_dir():
+        raise ApirctlError(f"{path} is a directory, not a trace file")
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise ApirctlError(f"cannot read {path}: {exc.strerror}") from None
+    summary = apir_trace.Summary()
+    kept: list[dict[str, Any]] = []
+    origin: int | None = None
+    with fh:
+        try:
+            for record in apir_trace.records(fh, follow=follow):
+                summary.add(record)
+                if origin is None:
+                    origin = record.start_ns
+                if summary_only:
+                    continue
+                if json_out and follow:
+                    print(json_lib.dumps(record.as_dict(arguments), default=str), flush=True)
+                elif json_out:
+                    kept.append(record.as_dict(arguments))
+                else:
+                    print(_trace_line(record, origin, arguments), flush=follow)
+        except apir_trace.ApirTraceError as exc:
+            if not json_out and not summary_only:
+                _print_summary(summary)
+            raise ApirctlError(f"{path}: {exc}", hint="a trace is written by `apir-host --trace PATH`; a file cut "
+                               "short is one whose host is still writing (use --follow) or died") from None
+        except KeyboardInterrupt:
+            if not follow:
+                raise
+    if json_out:
+        print_json({"file": str(path), **({} if summary_only else {"records": kept}), "summary": summary.as_dict()})
+        return
+    _print_summary(summary)
+
+
+def _print_summary(summary: Any) -> None:
+    """Plain aligned columns (a trace summary is read in terminals and pasted into reports alike)."""
+    if not summary.records:
+        print("no commands in the trace")
+        return
+    print(f"\n{summary.records} commands, {_ms(summary.host_ns)} ms in the host over {_ms(summary.span_ns)} ms"
+          f"{f', {summary.failed} failed' if summary.failed else ''}")
+    header = ("function", "calls", "failed", "total ms", "mean us", "max us", "request B", "reply B")
+    rows = [(row.name, str(row.calls), str(row.failed), _ms(row.total_ns), f"{row.total_ns / row.calls / 1e3:.1f}",
+             f"{row.max_ns / 1e3:.1f}", str(row.request_bytes), str(row.reply_bytes)) for row in summary.rows()]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(r, widths,
+                                                                                                       strict=True))))
+    if summary.calls_per_compute is not None:
+        print(f"{summary.computes} graph computes, {summary.calls_per_compute:.1f} forwarded calls per compute "
+              "(per generated token in generation)")
