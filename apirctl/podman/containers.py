@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, Field
 
@@ -24,6 +24,8 @@ from apirctl.podman import engine, images, libpod
 
 if TYPE_CHECKING:
     from podman.domain.containers import Container
+
+_T = TypeVar("_T")
 
 Kind = Literal["containers", "images"]
 #: Podman states of a container that has not finished (run_once waits while in one of them).
@@ -183,6 +185,24 @@ def translate(exc: Exception, what: str, image: str | None = None) -> ApirctlErr
 # --- the implementation --------------------------------------------------------------------------
 
 
+def _remove_without_service(url: str, container_id: str) -> bool:
+    """Remove a container with the podman command when the service at `url` is gone: a container
+    runs on without it, and would outlive the command that made it. Only for a service on this
+    host (a Unix socket), whose storage the command shares; by full id, which names no other
+    container anywhere. True when it is gone."""
+    import subprocess
+
+    if not url.startswith("unix://") or len(container_id) < 64:
+        return False
+    env = {k: v for k, v in engine.podman_env().items() if k not in ("CONTAINER_HOST", "CONTAINER_CONNECTION")}
+    try:  # (either variable makes the command a client of the service that is gone)
+        done = subprocess.run(engine.podman_cli("rm", "--force", "--time", "2", container_id), env=env,
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired, ApirctlError):
+        return False
+    return done.returncode == 0
+
+
 class Libpod:
     """`PodmanApi` over the libpod REST API of the service at `url` (podman-py for logs, pulls, and
     for everything on a URL `libpod` does not speak)."""
@@ -191,19 +211,29 @@ class Libpod:
         self.url = url
         self.direct = libpod.supported(url)
 
+    def _call(self, call: Callable[..., _T], *args: Any) -> _T:
+        """A libpod call; when apirctl's own service died under it (killed, idled out), once more
+        after starting it again."""
+        try:
+            return call(self.url, *args)
+        except libpod.ServiceGone:
+            if not engine.revive(self.url):
+                raise
+        return call(self.url, *args)
+
     def _container(self, container_id: str) -> Container:
         return engine.client().containers.get(container_id)
 
     def exists(self, kind: Kind, name: str) -> bool:
         if self.direct:
-            return libpod.exists(self.url, kind, name)
+            return self._call(libpod.exists, kind, name)
         client = engine.client()
         return bool((client.images if kind == "images" else client.containers).exists(name))
 
     def create(self, spec: ContainerSpec) -> str:
         try:
             if self.direct:
-                return libpod.create(self.url, spec)
+                return self._call(libpod.create, spec)
             return str(engine.client().containers.create(**spec.create_kwargs()).id)
         except Exception as exc:  # libpod's or podman-py's refusal: one line, no trace
             raise translate(exc, "podman refused to create the container", image=spec.image) from exc
@@ -211,7 +241,7 @@ class Libpod:
     def start(self, container_id: str, what: str) -> None:
         try:
             if self.direct:
-                libpod.start(self.url, container_id)
+                self._call(libpod.start, container_id)
             else:
                 self._container(container_id).start()
         except Exception as exc:
@@ -220,14 +250,14 @@ class Libpod:
     def inspect(self, container_id: str) -> dict[str, Any]:
         try:
             if self.direct:
-                return libpod.inspect(self.url, container_id)
+                return self._call(libpod.inspect, container_id)
             return dict(self._container(container_id).attrs)  # podman-py's get() is the same inspect call
         except Exception as exc:
             raise translate(exc, f"cannot inspect container {container_id[:12]}") from exc
 
     def list(self, label: str, all_: bool = False) -> list[dict[str, Any]]:
         if self.direct:
-            return libpod.list_containers(self.url, label, all_)
+            return self._call(libpod.list_containers, label, all_)
         return [dict(c.attrs) for c in engine.client().containers.list(all=all_, filters={"label": label})]
 
     def logs(self, container_id: str, tail: int | None = None) -> str:
@@ -257,8 +287,12 @@ class Libpod:
     def remove(self, container_id: str, timeout: int = 10) -> None:
         try:
             if self.direct:
-                libpod.stop(self.url, container_id, timeout)
-                libpod.delete(self.url, container_id)
+                try:
+                    self._call(libpod.stop, container_id, timeout)
+                    self._call(libpod.delete, container_id)
+                except libpod.ServiceGone:
+                    if not _remove_without_service(self.url, container_id):
+                        raise
                 return
             from podman.errors import NotFound
 
@@ -274,7 +308,7 @@ class Libpod:
         """Stop, keeping the container (its command, ports and mounts) to start again."""
         try:
             if self.direct:
-                libpod.stop(self.url, container_id, timeout)
+                self._call(libpod.stop, container_id, timeout)
                 return
             container = self._container(container_id)
             if container.status in ("running", "paused", "stopping"):

@@ -489,6 +489,19 @@ def restart_own_service() -> bool:
     return True
 
 
+def revive(url: str) -> bool:
+    """Start apirctl's own Podman service again if it is the one at `url` and has died under a
+    command (killed, or idled out while a model loaded); True when it answers there again.
+    Containers run on without the service, so the command can go on."""
+    if url != _socket_url(service_socket_path()):  # its record names no live process once it died
+        return False
+    with _service_lock():
+        if not answers(url):
+            _clients.clear()
+            start_service()
+    return True
+
+
 def api_error_message(exc: Exception) -> str:
     """The useful line of a podman-py APIError (its `explanation`), else the exception text."""
     text = getattr(exc, "explanation", None) or str(exc)

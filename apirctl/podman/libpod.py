@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 API = "/v4.0.0/libpod"  # the oldest libpod API apirctl supports (Podman 4); newer services accept it
 TIMEOUT = 120.0
+SERVICE_STOPPED = ("the Podman service stopped: start it again (or unset CONTAINER_HOST, and apirctl runs a "
+                   "service of its own); `apirctl doctor` checks")
 
 
 class LibpodError(Exception):
@@ -34,6 +36,11 @@ class LibpodError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+class ServiceGone(ApirctlError):
+    """Nothing answers at the service's address (its socket is gone or refuses), or it went away
+    during a question: the request may be sent again once a service answers there."""
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -75,10 +82,17 @@ def request(url: str, method: str, path: str, body: Any = None, timeout: float =
             response = conn.getresponse()
             data = response.read()
             break
-        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
             conn.close()
-            if attempt == 2:
-                raise
+            if attempt == 2:  # not a keep-alive connection it had closed: the service went away mid-call
+                # a question (GET) may be asked again of a new service; a change's outcome is unknown
+                lost = ServiceGone if method == "GET" else ApirctlError
+                raise lost(f"the Podman API at {url} went away during the call ({exc})",
+                           hint=SERVICE_STOPPED) from exc
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            conn.close()
+            raise ServiceGone(f"the Podman API at {url} is gone ({exc.strerror or exc})",
+                              hint=SERVICE_STOPPED) from exc
         except OSError as exc:
             conn.close()
             raise ApirctlError(f"the Podman API at {url} did not answer ({exc})") from exc
