@@ -50,6 +50,10 @@ class Settings(BaseModel):
         "auto", description="how rpc containers reach the backend on the host's loopback: slirp4netns or pasta "
         "(auto: slirp4netns when installed, else pasta; containers in a podman machine use its gateway)"
     )
+    apir_trace: bool = Field(
+        False, description="Linux virtgpu: each server's apir-host writes a trace of every command (`apirctl apir "
+        "trace` reads it)"
+    )
     build_jobs: int | None = Field(None, ge=1, description="parallel jobs for the llama.cpp build")
     cuda_architectures: str | None = Field(
         None, description="CUDA architectures of the host build, e.g. 90 (CMAKE_CUDA_ARCHITECTURES; default: CMake's)"

@@ -191,11 +191,13 @@ class _Source:
         return b"".join(chunks)
 
 
-def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None = None) -> Iterator[Record]:
+def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None = None,
+            live: bool = False) -> Iterator[Record]:
     """The records of the trace open in `fh`, as they are read.
 
     With `follow`, the end of the file is not the end of the trace: `wait()` is called there and
-    reading goes on while it returns True (default: sleep 0.2 s, forever).
+    reading goes on while it returns True (default: sleep 0.2 s, forever). With `live` (a host that
+    is still writing), a last record cut short ends the trace instead of being an error.
     """
 
     def sleep() -> bool:
@@ -212,7 +214,12 @@ def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None 
     index = 0
     while True:
         offset = src.pos
-        head = src.read(HEADER.size, "record header", index)
+        try:
+            head = src.read(HEADER.size, "record header", index)
+        except ApirTraceError:
+            if live:
+                return
+            raise
         if head is None:
             return
         cmd_type, cmd_flags, ret, request_len, reply_len, _reserved, start_ns, duration_ns = HEADER.unpack(head)
@@ -220,8 +227,13 @@ def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None 
             if length > MAX_PART:
                 raise ApirTraceError(f"record {index} claims a {what} of {length} bytes (more than "
                                      f"{MAX_PART >> 20} MiB: a corrupt file)", offset)
-        request = src.read(request_len, "request", index) or b""
-        reply = src.read(reply_len, "reply", index) or b""
+        try:
+            request = src.read(request_len, "request", index) or b""
+            reply = src.read(reply_len, "reply", index) or b""
+        except ApirTraceError:
+            if live:
+                return
+            raise
         yield Record(index=index, offset=offset, cmd_type=cmd_type, cmd_flags=cmd_flags, ret=ret,
                      start_ns=start_ns, duration_ns=duration_ns, request=request, reply=reply)
         index += 1

@@ -1,4 +1,4 @@
-"""Benchmarks: llama-bench in each mode (native, remoting, container) and serving load.
+"""Benchmarks: llama-bench in each mode (native, remoting, container, apir) and serving load.
 
 `apirctl.bench.modes` runs llama-bench and builds the comparison rows, `llamabench`
 knows llama-bench's command line and JSON output, `results` saves and reads the
@@ -8,4 +8,4 @@ and plots. The CLI (`apirctl bench`) only parses flags and prints.
 
 from __future__ import annotations
 
-MODES = ("native", "remoting", "container")
+MODES = ("native", "remoting", "container", "apir")

@@ -12,6 +12,11 @@
   the container's network, e.g. on a GPU machine that has no podman.
 - container: llama-bench in a container with no remoting: with GPU passthrough where this host
   can hand its GPU to a container (`apirctl.gpu`: the comparison a Linux user makes), else CPU only.
+- apir (Linux): llama-bench with the ggml-virtgpu frontend against an apir-host of its own on a
+  private socket (`apirctl.remoting.apir_hosts`, the host build's GPU backend, else its CPU one):
+  in a container with no network (the virtgpu transport's wiring), or with the host client the
+  host build's own llama-bench with `GGML_VIRTGPU_SOCKET` and its local GPUs hidden. On macOS the
+  remoting mode is APIR already.
 
 A mode that cannot run here (no build, no image, no remoting backend) becomes rows
 with a `skipped_reason` and the others still run; a llama-bench that runs and fails is
@@ -34,7 +39,7 @@ from apirctl.bench.results import Row, Run, new_id, now_iso
 from apirctl.build import image, llamacpp
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
-from apirctl.remoting import backends, hostloopback, rpc_server, transport
+from apirctl.remoting import apir_hosts, backends, hostloopback, rpc_server, transport
 from apirctl.remoting.hostloopback import HostLoopback
 
 #: Progress events: (mode, test or "" while starting, repetition (0 = warmup), repetitions).
@@ -296,10 +301,44 @@ def without_flag(args: Sequence[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
+def run_apir(ctx: Context) -> ModeOutcome:
+    """APIR on Linux: the frontend against an apir-host of the run's own (see the module's docstring)."""
+    if host.is_macos():
+        raise Skipped("on macOS the remoting mode is APIR (virtgpu through krunkit)")
+    build = _host_build()
+    client = ctx.client
+    if client == "container" and shutil.which("podman") is None:
+        client = "host"
+        ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
+    client_build = build if client == "host" else llamacpp.container_build()
+    problem = transport.apir_problem(build, client_build)
+    if problem:
+        raise Skipped(f"APIR cannot run here: {problem}")
+    ctx.facts.setdefault("llama_cpp", build.source_version)
+    apir = apir_hosts.start(build, f"bench-{new_id()}")
+    try:
+        if client == "host":
+            env = dict(os.environ) | _NO_LOCAL_GPU | {apir_hosts.SOCKET_ENV: str(apir.socket)}
+            argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params)]
+            results = run_process(argv, ctx.params, ctx.progress("apir"), env=env)
+        else:
+            plan = transport.with_apir_host(transport.apir_plan(ctx.params.ngl), apir)
+            plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
+            results = run_in_container(ctx, "apir", plan)
+        died = apir_hosts.problem(apir.id)
+    finally:
+        apir_hosts.stop(apir)
+    if died:  # llama-bench may report results of a host that died after them: the run is not sound
+        raise ApirctlError(f"the apir-host died during the run: {died}")
+    return ModeOutcome("apir", results, backend=_backend_label(results, "virtgpu"), client=client,
+                       transport="virtgpu-socket")
+
+
 RUNNERS: dict[str, Callable[[Context], ModeOutcome]] = {
     "native": run_native,
     "remoting": run_remoting,
     "container": run_container,
+    "apir": run_apir,
 }
 
 

@@ -194,13 +194,18 @@ def _short(value: Any) -> str:
     help="Decode a trace written by `apir-host --trace`: each command, the forwarded function's name, request "
     "and reply sizes, the host's time, and a summary (calls per function, total time, calls per graph "
     "compute, i.e. per generated token).\n\n"
+    "Tracing is turned on per server with `apirctl serve MODEL --transport virtgpu --apir-trace` (Linux); "
+    "`--server NAME` then finds its host's trace.\n\n"
     "Examples:\n\n"
-    "  apirctl apir trace ./apir.trace --summary\n\n"
+    "  apirctl apir trace --server apirctl-smollm2 --summary\n\n"
     "  apirctl apir trace ./apir.trace --args --json\n\n"
-    "  apirctl apir trace ./apir.trace --follow"
+    "  apirctl apir trace --server apirctl-smollm2 --follow"
 )
 def trace(
-    path: Annotated[Path, typer.Argument(help="A trace file.")],
+    path: Annotated[Path | None, typer.Argument(help="A trace file (default: the --server's, or the only "
+                                                "traced server's).")] = None,
+    server: Annotated[str | None, typer.Option("--server", help="A running server whose apir host "
+                                               "writes a trace.")] = None,
     arguments: Annotated[bool, typer.Option("--args", help="Decode each command's request and reply "
                                             "fields.")] = False,
     summary_only: Annotated[bool, typer.Option("--summary", help="Print only the summary.")] = False,
@@ -215,6 +220,13 @@ def trace(
     from apirctl.cli.output import print_json
     from apirctl.errors import ApirctlError
 
+    if path is not None and server is not None:
+        raise ApirctlError("give a trace file or --server, not both")
+    live = path is None  # a host's own trace may be mid-write: a cut last record is where it is now
+    if path is None:
+        from apirctl.remoting import apir_hosts
+
+        path = apir_hosts.trace_of(server)
     if path.is_dir():
         raise ApirctlError(f"{path} is a directory, not a trace file")
     try:
@@ -226,7 +238,7 @@ def trace(
     origin: int | None = None
     with fh:
         try:
-            for record in apir_trace.records(fh, follow=follow):
+            for record in apir_trace.records(fh, follow=follow, live=live):
                 summary.add(record)
                 if origin is None:
                     origin = record.start_ns

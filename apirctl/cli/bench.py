@@ -15,7 +15,9 @@ HELP = (
     "- native: the host's llama-bench on the host's GPU backend (the reference);\n"
     "- remoting: llama-bench in the container, its GPU work done on the host through the active "
     "transport (rpc on Linux, virtgpu on macOS); start it with `apirctl machine restart --remoting`;\n"
-    "- container: llama-bench in the container without remoting (CPU).\n\n"
+    "- container: llama-bench in the container without remoting (CPU);\n"
+    "- apir (Linux, not run unless named): the ggml-virtgpu frontend (APIR) against an apir-host of its own on a "
+    "private socket, in a container without network (or, with --client host, the host's llama-bench).\n\n"
     "A mode that cannot run here is shown as skipped with the reason. Results are saved: see "
     "`apirctl bench history` and `apirctl bench compare ID ID`.\n\n"
     "apirctl bench --url URL (or `--serving` for the running apirctl server) drives an "
@@ -23,6 +25,7 @@ HELP = (
     "first token, inter-token latency, tokens/s and errors.\n\n"
     "Examples:\n\n"
     "`apirctl bench smollm2 --modes native,container --reps 2`\n\n"
+    "`apirctl bench smollm2 --modes native,remoting,apir`\n\n"
     "`apirctl bench smollm2 --format json --plot bench.png`\n\n"
     "`apirctl bench --url http://127.0.0.1:1234 --concurrency 1,4,8 --requests 16`"
 )
@@ -54,7 +57,7 @@ def bench(
     ctx: typer.Context,
     model: str = typer.Argument(None, help="Model: alias (smollm2), GGUF path, hf://, ollama://, https://."),
     modes: str = typer.Option("native,remoting,container", "--modes",
-                              help="Comma-separated modes to run, in order: native, remoting, container."),
+                              help="Comma-separated modes to run, in order: native, remoting, container, apir."),
     pp: int = typer.Option(512, "--pp", help="Prompt tokens for the prompt-processing test (0: skip it)."),
     tg: int = typer.Option(128, "--tg", help="Tokens to generate for the generation test (0: skip it)."),
     reps: int = typer.Option(5, "--reps", "-r", help="Repetitions of each test (mean and std over them)."),

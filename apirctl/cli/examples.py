@@ -13,6 +13,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "ps": ("apirctl ps", "apirctl ps --all --json"),
     "logs": ("apirctl logs", "apirctl logs apirctl-smollm2 -f", "apirctl logs apirctl-smollm2 --tail 20"),
     "stop": ("apirctl stop", "apirctl stop apirctl-smollm2", "apirctl stop --all"),
+    "restart": ("apirctl restart", "apirctl restart apirctl-smollm2 --json"),
     "uninstall": ("apirctl uninstall", "apirctl uninstall b6298-remoting-0.1.6_b5 --json"),
     "setup": ("apirctl setup", "apirctl setup -j 4", "apirctl setup --no-model --json"),
     "doctor": ("apirctl doctor", "apirctl doctor --json"),

@@ -17,6 +17,7 @@ SERVE_EPILOG = (
     "  apirctl serve smollm2 -- --temp 0.2        # anything after -- goes to llama-server\n\n"
     "  apirctl serve smollm2 --rpc-backend 127.0.0.1:50052 --via-ssh me@gpu-box   # a remote GPU host\n\n"
     "  apirctl serve smollm2 --restart on-failure:3  # Podman restarts it when it fails\n\n"
+    "  apirctl serve smollm2 --transport virtgpu --apir-trace   # APIR (Linux: an apir-host of its own)\n\n"
     "  apirctl serve smollm2 --generate kube > smollm2.yaml   # then: podman kube play smollm2.yaml\n\n"
     "  apirctl serve smollm2 --generate quadlet > ~/.config/containers/systemd/smollm2.container"
 )
@@ -53,7 +54,9 @@ def serve(
         None, "--transport",
         help="auto (GPU passthrough where the engine can hand the GPU over, else remoting when `apirctl "
         "machine status` is ready, else none; says why), gpu (Linux: the container gets the GPU: CDI or "
-        "/dev/dri), virtgpu (macOS), rpc (Linux host GPU over llama.cpp RPC), none (container CPU).",
+        "/dev/dri), virtgpu (API remoting, APIR: macOS through krunkit's virtio-gpu; Linux through an apir-host "
+        "of the container's own on a private socket, no network or device needed), rpc (Linux host GPU over "
+        "llama.cpp RPC), none (container CPU).",
     ),
     image: str = typer.Option(None, "--image", help="Container image (default: apirctl's local llama.cpp image)."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
@@ -96,6 +99,11 @@ def serve(
         "on that network can use the backend and its host's memory.",
     ),
     ssh_option: list[str] = _SSH_OPTION,
+    apir_trace: bool = typer.Option(
+        None, "--apir-trace/--no-apir-trace",
+        help="Linux virtgpu: the server's apir-host records every APIR command (`apirctl apir trace --server "
+        "NAME` decodes it). Default: the apir_trace setting.", show_default=False,
+    ),
 ) -> None:
     """Start llama-server in a container on a model and wait until it answers.
 
@@ -113,7 +121,7 @@ def serve(
         api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
         insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
-        seed=seed, max_tokens=max_tokens, restart=restart,
+        seed=seed, max_tokens=max_tokens, restart=restart, apir_trace=apir_trace,
     )
     if generate:
         sys.stdout.write(lib.generate(opts, generate))
@@ -260,10 +268,11 @@ def ps(
     """List inference servers: apirctl's and the upstream Podman Desktop extension's (by label).
 
     HEALTH is llama-server's /health, asked now: ok, loading, error or unreachable, or what keeps
-    it from serving (an rpc backend down or restarted under it); for a stopped server, its exit code
-    and why (`--json`: `why`). TRANSPORT is
-    none, virtgpu, or rpc with its link: rpc-shm (a backend of its own, shared memory),
-    rpc-unix (its own backend, on the socket) or rpc-tcp (the shared or a remote TCP backend).
+    it from serving (an rpc backend or apir-host down, or restarted under it); for a stopped server,
+    its exit code and why (`--json`: `why`). TRANSPORT is none, gpu, virtgpu (macOS),
+    virtgpu-socket (Linux: an apir-host of its own), or rpc with its link: rpc-shm (a backend of its
+    own, shared memory), rpc-unix (its own backend, on the socket) or rpc-tcp (the shared or a
+    remote TCP backend).
     """
     from rich.table import Table
 
@@ -418,9 +427,40 @@ def _default_model() -> str:
     return config.settings().default_model
 
 
+def restart(
+    name: str = typer.Argument(None, help="Server name (optional when only one exists)."),
+    timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
+    json_out: bool = typer.Option(False, "--json", help="Print the server as JSON once ready."),
+) -> None:
+    """Restart a server's container (stopped or running) and wait until it answers again.
+
+    It keeps its model, port and flags. A server whose remoting backend went away comes back with it:
+    an APIR server (virtgpu on Linux) whose apir-host died gets a new host on the same socket first;
+    an rpc server reconnects to the backend that runs now.
+    """
+    from apirctl import serve as lib
+    from apirctl.cli.output import err_console, print_json
+
+    if name is None:
+        name = _only_one_exists(lib) or lib.find_server(None).name
+    with err_console().status("restarting") as shown:
+        server = lib.restart(name, timeout=timeout, progress=shown.update)
+    if json_out:
+        print_json(server.model_dump(mode="json"))
+    else:
+        err_console().print(f"{server.name} is ready at {server.url}")
+
+
+def _only_one_exists(lib: Any) -> str | None:
+    """The name of the only server there is (running or not), or None."""
+    servers = [s for s in lib.list_servers(all=True, probe_health=False) if s.managed]
+    return servers[0].name if len(servers) == 1 else None
+
+
 def register(app: typer.Typer) -> None:
     app.command(epilog=SERVE_EPILOG, context_settings={"allow_interspersed_args": True})(serve)
     app.command(epilog=RUN_EPILOG, context_settings={"allow_interspersed_args": True})(run)
     app.command()(ps)
     app.command()(logs)
     app.command()(stop)
+    app.command()(restart)

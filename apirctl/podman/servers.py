@@ -32,6 +32,7 @@ L_VIA_SSH = "apirctl.via-ssh"
 L_TUNNELS = "apirctl.ssh-tunnels"  # pids of the SSH tunnels this server uses (closed by `stop`)
 L_RPC_LINK = "apirctl.rpc-link"  # rpc: unix (a backend of its own, on a mounted socket) or tcp
 L_RPC_INSTANCE = "apirctl.rpc-instance"  # rpc: the backend instance it was started against (random per start)
+L_APIR_HOST = "apirctl.apir-host"  # virtgpu on Linux: the id of its own apir-host (apirctl.remoting.apir_hosts)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
 L_APIR = "llama-cpp.apir"
 L_API = "api"
@@ -66,13 +67,17 @@ class Server(BaseModel):
     kind: str = "chat"  # chat, embedding or reranking
     rpc_link: str = ""  # rpc: tcp, unix, or shm (unix upgraded to shared memory, known from the backend)
     rpc_instance: str = ""  # rpc: the backend instance it was started against
+    apir_host: str = ""  # virtgpu on Linux: its own apir-host's id
     started: float | None = None  # when its container last started (Unix seconds), where Podman says
     exit_code: int | None = None  # Podman's, for a container that exited
     why: str = ""  # why it does not serve, when apirctl knows: a health problem, or what it exited of
 
     @property
     def transport_name(self) -> str:
-        """The transport as `ps` shows it: rpc-shm, rpc-unix, rpc-tcp, or the transport itself."""
+        """The transport as `ps` shows it: rpc-shm, rpc-unix, rpc-tcp, virtgpu-socket (Linux's apir-host), or
+        the transport itself."""
+        if self.transport == "virtgpu" and self.apir_host:
+            return "virtgpu-socket"
         return f"{self.transport}-{self.rpc_link}" if self.transport == "rpc" and self.rpc_link else self.transport
 
     @property
@@ -127,6 +132,7 @@ def from_listed(item: dict[str, Any]) -> Server:
         kind=labels.get(L_KIND, "chat"),
         rpc_link=labels.get(L_RPC_LINK, ""),
         rpc_instance=labels.get(L_RPC_INSTANCE, ""),
+        apir_host=labels.get(L_APIR_HOST, ""),
         started=_started(item),
         exit_code=_exit_code(item),
     )

@@ -66,7 +66,7 @@ def _reap() -> None:
             _children.remove(child)
 
 
-def _proc_state(pid: int) -> tuple[str, str] | None:
+def proc_state(pid: int) -> tuple[str, str] | None:
     """(state letter, start time in clock ticks) of a process, or None when there is none."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -76,26 +76,26 @@ def _proc_state(pid: int) -> tuple[str, str] | None:
     return (fields[0], fields[19]) if len(fields) > 19 else None
 
 
-def is_backend_process(pid: int) -> bool:
-    """True when `pid` is a live (not zombie) ggml-rpc-server: a recycled pid is not ours."""
+def is_backend_process(pid: int, binary: str = BINARY) -> bool:
+    """True when `pid` is a live (not zombie) `binary` (ggml-rpc-server): a recycled pid is not ours."""
     _reap()
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    state = _proc_state(pid)
+    state = proc_state(pid)
     return (state is not None and state[0] not in ("Z", "X") and bool(cmdline)
-            and Path(os.fsdecode(cmdline[0])).name == BINARY)
+            and Path(os.fsdecode(cmdline[0])).name == binary)
 
 
-def terminate(pid: int, timeout: float = STOP_TIMEOUT) -> None:
-    """SIGTERM, then SIGKILL after `timeout`; polls, never a fixed sleep. Only a backend process."""
-    if not is_backend_process(pid):
+def terminate(pid: int, timeout: float = STOP_TIMEOUT, binary: str = BINARY) -> None:
+    """SIGTERM, then SIGKILL after `timeout`; polls, never a fixed sleep. Only a `binary` process."""
+    if not is_backend_process(pid, binary):
         return
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
-    while is_backend_process(pid):
+    while is_backend_process(pid, binary):
         if time.monotonic() > deadline:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -249,7 +249,7 @@ def alive(instance: Instance) -> bool:
 def _owner_alive(instance: Instance) -> bool:
     if not instance.owner_pid:
         return False
-    state = _proc_state(instance.owner_pid)
+    state = proc_state(instance.owner_pid)
     return state is not None and state[0] not in ("Z", "X") and (not instance.owner_start
                                                                  or state[1] == instance.owner_start)
 
@@ -262,7 +262,7 @@ def start(build: Build, name: str, device: str | None = None, threads: int | Non
     directory = base / f"rpc-{instance_id}"
     sock = socket_path(directory, SOCKET_NAME)
     log = dirs().logs / f"rpc-backend-{instance_id}.log"
-    own = _proc_state(os.getpid())
+    own = proc_state(os.getpid())
     instance = Instance(id=instance_id, pid=0, directory=str(directory), log=str(log), started_at=time.time(),
                         owner_pid=os.getpid(), owner_start=own[1] if own else "", name=name, device=device)
     try:

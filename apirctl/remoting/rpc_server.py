@@ -38,7 +38,7 @@ from apirctl.machine import MachineState, MachineStatus, RestartOptions
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.podman import servers as podman_servers
 from apirctl.podman.servers import Server
-from apirctl.remoting import backends, rpc_client
+from apirctl.remoting import apir_hosts, backends, rpc_client
 from apirctl.remoting.backends import BINARY, is_backend_process
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class BackendRecord(BaseModel):
     started_at: float
     binary: str
     source_version: str = ""
+    apir: str = ""  # what the apir-host check of the last restart found ("ready", or why not)
 
     @property
     def address(self) -> tuple[str, int | None]:
@@ -213,16 +214,18 @@ def _on_host_backend(server: Server) -> bool:
 
 def rpc_servers(port: int | None = None, found: list[Server] | None = None) -> list[Server]:
     """Running inference servers that use this host's remoting: those with a backend of their own
-    (`apirctl.remoting.backends`), those started against any instance of the host TCP backend
-    (their label says so, whatever port it had), and unlabelled ones on `port` when given.
+    (`apirctl.remoting.backends`, or an apir-host: `apirctl.remoting.apir_hosts`), those started
+    against any instance of the host TCP backend (their label says so, whatever port it had), and
+    unlabelled ones on `port` when given.
 
     Servers of other backends (`--rpc-backend`, or an unlabelled one on another port) are not its
     users. Empty when Podman cannot be asked.
     """
     found = _listing() if found is None else found
-    return [s for s in found or [] if s.transport == "rpc" and s.state == "running" and not s.rpc_backends
-            and (s.rpc_link in ("unix", "shm") or _on_host_backend(s) or port is None or not s.rpc_target
-                 or s.rpc_target.rsplit(":", 1)[-1] == str(port))]
+    return [s for s in found or [] if s.state == "running" and not s.rpc_backends
+            and ((s.transport == "virtgpu" and bool(s.apir_host))
+                 or (s.transport == "rpc" and (s.rpc_link in ("unix", "shm") or _on_host_backend(s) or port is None
+                                               or not s.rpc_target or s.rpc_target.rsplit(":", 1)[-1] == str(port))))]
 
 
 def moved(server: Server, record: BackendRecord) -> str | None:
@@ -310,7 +313,7 @@ def _find_build() -> tuple[Build | None, str | None]:
 
 def _shared_users(servers: list[Server]) -> list[Server]:
     """The servers connected to the host backend itself (TCP): the others have backends of their own."""
-    return [s for s in servers if s.rpc_link not in ("unix", "shm")]
+    return [s for s in servers if s.transport == "rpc" and s.rpc_link not in ("unix", "shm")]
 
 
 def own_backends(found: list[Server] | None = None) -> list[str]:
@@ -328,6 +331,28 @@ def own_backends(found: list[Server] | None = None) -> list[str]:
     return lines
 
 
+def own_apir_hosts(found: list[Server] | None = None) -> list[str]:
+    """One line per apir-host (Linux virtgpu containers): the container, pid, socket, trace, and why
+    it is down (hosts of containers that are gone are stopped first; `found` lists every container)."""
+    if not apir_hosts.hosts():
+        return []
+    if found is not None:
+        apir_hosts.clean(s.id for s in found)
+    names = {s.id: s.name for s in found or []}
+    return [apir_hosts.describe(h, names.get(h.container)) for h in apir_hosts.hosts()]
+
+
+def _apir_state(record: BackendRecord | None, build: Build | None) -> str:
+    """Whether virtgpu containers can get an apir-host here: the build's, checked by the last restart."""
+    problem = apir_hosts.host_problem(build)
+    if problem:
+        return f"unavailable: {problem}"
+    if record is not None and record.apir and record.apir != "ready":
+        return f"failed its check at the last restart: {record.apir}"
+    backend = "CUDA" if build is not None and build.backend == "cuda" else "CPU"
+    return f"ready: an apir-host of its own per virtgpu container ({backend} backend)"
+
+
 def _where(record: BackendRecord) -> dict[str, Any]:
     if record.listen == "unix":
         return {"transport": "unix socket (local containers: a backend each, shared memory)",
@@ -342,12 +367,14 @@ def status(name: str | None = None) -> MachineStatus:
         return _st(MachineState.NOT_INSTALLED, f"remoting is not installed: {problem}", "run `apirctl setup`")
     record = read_record()
     # Podman is asked only when there is something to match (serve's `auto` asks this on its hot path)
-    found = _listing() if record is not None or backends.instances() else []
+    found = _listing() if record is not None or backends.instances() or apir_hosts.hosts() else []
     own = own_backends(found) or None
+    apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found) or None}
     if record is None:
-        return _st(MachineState.NOT_RUNNING, "the host RPC backend is not running", RESTART_HINT, backends=own)
+        return _st(MachineState.NOT_RUNNING, "the host RPC backend is not running", RESTART_HINT, backends=own,
+                   **apir)
     common = {"pid": record.pid, "listen": record.listen, **_where(record), "endpoint": record.endpoint,
-              "instance": record.instance or None, "log": record.log, "backends": own}
+              "instance": record.instance or None, "log": record.log, "backends": own, **apir}
     common["servers"] = server_lines(found or [], record) or None
     if not is_backend_process(record.pid):
         return _st(MachineState.NOT_RUNNING,
@@ -395,6 +422,12 @@ def server_lines(found: list[Server], record: BackendRecord) -> list[str]:
     alive = is_backend_process(record.pid)
     lines = []
     for server in found:
+        if server.transport == "virtgpu" and server.apir_host:  # Linux APIR: an apir-host of its own
+            exited = f"exited (code {server.exit_code})" if server.exit_code is not None else server.state
+            said = "serving (virtgpu-socket, an apir-host of its own)" if server.running else exited
+            problem = apir_hosts.problem(server.apir_host)
+            lines.append(f"{server.name}: {said}" + (f"; {problem}: restart it" if problem else ""))
+            continue
         own = server.rpc_link in ("unix", "shm") and bool(server.rpc_instance)
         if server.transport != "rpc" or server.rpc_backends or not (own or _on_host_backend(server)):
             continue
@@ -423,23 +456,32 @@ def servers(name: str | None = None) -> list[Server]:
 
 
 def stale_servers() -> list[Server]:
-    """Servers started against an earlier instance of the TCP host backend, running (their link is
+    """APIR servers whose apir-host died (Linux virtgpu), and servers started against an earlier
+    instance of the TCP host backend, running (their link is
     dead) or exited (llama-server aborts at its first request after the backend went away), with
     `why` saying so: what `machine restart --remoting --restart-servers` restarts. The backend may
     have come back on another port or on a Unix socket: such servers are stale too. Empty when no
     backend runs."""
     record = read_record()
-    if record is None or not is_backend_process(record.pid):
+    if (record is None or not is_backend_process(record.pid)) and not apir_hosts.hosts():
         return []
     try:
         found = podman_servers.list_servers(all=True)
     except Exception:  # noqa: BLE001 - as status: no Podman, nothing to restart
         return []
+    orphans = []
+    for server in found:
+        problem = apir_hosts.problem(server.apir_host) if server.managed and server.apir_host else None
+        if problem and server.state in ("running", "exited"):
+            server.why = f"{problem}{' (it exited)' if server.state == 'exited' else ''}: restart it"
+            orphans.append(server)
+    if record is None or not is_backend_process(record.pid):
+        return orphans
     stale = [s for s in found if s.managed and _on_host_backend(s) and s.state in ("running", "exited")
              and _restarted_under(s.rpc_instance, s.started, record)]
     for server in stale:
         server.why = _stale_why(server, record)
-    return stale
+    return orphans + stale
 
 
 def _stale_why(server: Server, record: BackendRecord) -> str:
@@ -548,8 +590,25 @@ def restart(options: RestartOptions, progress: Callable[[str], None] | None = No
             with contextlib.suppress(ApirctlError):
                 _write_record(_spawn(build, old.listen, old.port, old.device, old.threads, old.cache))
         raise
+    record.apir = _check_apir(build, say)
     _write_record(record)
     return status(options.name)
+
+
+def _check_apir(build: Build, say: Callable[[str], None]) -> str:
+    """Start an apir-host on a socket of its own and stop it (what serve does per virtgpu container),
+    so a broken host program or library is found now; "ready", or why not. Never fails the restart:
+    rpc remoting works without it."""
+    problem = apir_hosts.host_problem(build)
+    if problem:
+        return problem
+    say(f"checking {apir_hosts.BINARY}")
+    try:
+        host = apir_hosts.start(build, "machine-check")
+    except ApirctlError as exc:
+        return exc.message
+    apir_hosts.stop(host)
+    return "ready"
 
 
 def logs(follow: bool = False, tail: int = 50) -> Iterator[str]:

@@ -19,9 +19,15 @@ network, SELinux options, environment and llama.cpp flags that `Plan.apply` adds
     pasta port forward to the container's own 127.0.0.1, or a podman machine's gvproxy gateway) and
     llama.cpp gets `--rpc ADDRESS:PORT`. Explicit `--rpc-backend`s and SSH tunnels take this link.
   Nothing listens on a routable address.
-- `virtgpu` (macOS): the container gets `/dev/dri` (the virtio-gpu of the krunkit VM) with
-  SELinux labelling off; its ggml-virtgpu frontend forwards to the host's Metal backend.
-  The image is the active API-remoting bundle's, as the machine's status names it.
+- `virtgpu`, chosen by the host platform:
+  - macOS: the container gets `/dev/dri` (the virtio-gpu of the krunkit VM) with SELinux
+    labelling off; its ggml-virtgpu frontend forwards to the host's Metal backend. The image is
+    the active API-remoting bundle's, as the machine's status names it.
+  - Linux: the container gets an `apir-host` of its own (`apirctl.remoting.apir_hosts`, started by
+    serve or bench once the plan is made), whose socket directory is mounted at
+    `/run/apirctl-apir`, and `GGML_VIRTGPU_SOCKET` pointing at the socket: apirctl's image's
+    frontend then talks to the host's ggml-virtgpu backend (CUDA, else CPU) over the socket and
+    shared memory. No network route to the host, no device.
 - `auto`: passthrough where the engine can hand the GPU over, else the remoting transport of this
   platform when `machine status` says it is ready (and, for rpc over TCP, a container network can
   reach it), else `none`; its notice is one line saying what it chose and why (`apirctl.gpu.decide`).
@@ -36,13 +42,16 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field
 
 from apirctl import gpu, host
+from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError
 from apirctl.machine import MachineState, MachineStatus
 from apirctl.podman.containers import BindMount
-from apirctl.remoting import backends, hostloopback, machines, tunnel
+from apirctl.remoting import apir_hosts, backends, hostloopback, machines, tunnel
 
 if TYPE_CHECKING:
+    from apirctl.build.llamacpp import Build
     from apirctl.podman.containers import ContainerSpec
+    from apirctl.remoting.apir_hosts import Host
     from apirctl.remoting.backends import Instance
     from apirctl.remoting.hostloopback import HostLoopback
 
@@ -67,6 +76,8 @@ class Plan(BaseModel):
     tunnels: list[int] = Field(default_factory=list)  # rpc via SSH: pids of the tunnels (close them on stop)
     rpc_link: Literal["", "unix", "tcp"] = ""  # rpc: a backend of its own on a socket, or a TCP backend
     rpc_instance: str = ""  # rpc: the backend instance it uses (unix: set by `with_backend`)
+    apir_link: Literal["", "socket"] = ""  # virtgpu on Linux: an apir-host of its own on a socket
+    apir_host: str = ""  # virtgpu on Linux: that host's id (set by `with_apir_host`)
     mounts: list[BindMount] = Field(default_factory=list)
 
     @property
@@ -77,6 +88,11 @@ class Plan(BaseModel):
     def needs_backend(self) -> bool:
         """The caller starts a backend for this container (`backends.start`, then `with_backend`)."""
         return self.rpc_link == "unix" and not self.mounts
+
+    @property
+    def needs_apir_host(self) -> bool:
+        """The caller starts an apir-host for this container (`apir_hosts.start`, then `with_apir_host`)."""
+        return self.apir_link == "socket" and not self.apir_host
 
     def apply(self, spec: ContainerSpec) -> ContainerSpec:
         """A copy of `spec` with this transport's devices, network, env and llama.cpp flags."""
@@ -233,6 +249,39 @@ def virtgpu_plan(ngl: int, image: str | None = None, requested: str = "virtgpu")
     )
 
 
+def apir_plan(ngl: int, requested: str = "virtgpu") -> Plan:
+    """Linux APIR: the frontend in apirctl's image reaches an apir-host of the container's own; the
+    caller starts it and adds its directory with `with_apir_host`. All layers offloaded (the
+    frontend's device is the only GPU the container has)."""
+    return Plan(
+        transport="virtgpu",
+        requested=requested,
+        environment={apir_hosts.SOCKET_ENV: apir_hosts.CONTAINER_SOCKET},
+        llama_args=["--n-gpu-layers", str(ngl)],
+        apir_link="socket",
+    )
+
+
+def with_apir_host(plan: Plan, host: Host) -> Plan:
+    """`plan` with the host's socket directory mounted (read-only: connecting needs no write access
+    to the mount) where `GGML_VIRTGPU_SOCKET` points."""
+    mount = BindMount(source=Path(host.directory), target=apir_hosts.CONTAINER_DIR, read_only=True)
+    return plan.model_copy(update={"mounts": [*plan.mounts, mount], "apir_host": host.id})
+
+
+def apir_problem(host_build: Build | None, image_build: Build | None) -> str | None:
+    """Why Linux APIR cannot run here (the host program, the backend libraries, the image's
+    frontend), or None."""
+    return apir_hosts.host_problem(host_build) or apir_hosts.frontend_problem(image_build)
+
+
+def _linux_apir_plan(ngl: int, requested: str) -> Plan:
+    problem = apir_problem(llamacpp.current_build(), llamacpp.container_build())
+    if problem:
+        raise ApirctlError(f"the virtgpu transport is not available: {problem}", hint="run `apirctl setup`")
+    return apir_plan(ngl, requested=requested)
+
+
 def gpu_plan(offer: gpu.Passthrough, ngl: int, requested: str = "gpu") -> Plan:
     """The passthrough wiring: the devices (CDI names or paths), unlabelled so SELinux lets the
     container open them, all layers offloaded, and apirctl's image of the offer's backend."""
@@ -289,11 +338,8 @@ def plan(
     if requested == "auto":
         return _auto(ngl=ngl, rpc_port=rpc_port, status=status, darwin=darwin, loopback=loopback,
                      offer=offer if offer is not None or darwin else _offer(gpu_devices, own_image))
-    if requested == "virtgpu" and not darwin:
-        raise ApirctlError(
-            "the virtgpu transport needs macOS API remoting (a krunkit podman machine)",
-            hint="on Linux use `--transport rpc` (after `apirctl machine restart --remoting`) or `none`",
-        )
+    if requested == "virtgpu" and not darwin:  # Linux: an apir-host per container, no VM
+        return _linux_apir_plan(ngl, requested)
     if requested == "rpc" and darwin:
         raise ApirctlError("the rpc transport is for Linux hosts", hint="on macOS use `--transport virtgpu`")
     if status is None:

@@ -45,6 +45,7 @@ class ServeOptions(BaseModel):
     seed: int | None = None
     max_tokens: int | None = None
     restart: str | None = None  # a Podman restart policy
+    apir_trace: bool = False  # virtgpu on Linux: the apir-host writes a trace (`apirctl apir trace`)
 
 
 # --- options -----------------------------------------------------------------------------------
@@ -52,7 +53,7 @@ class ServeOptions(BaseModel):
 
 def options(model: str, **flags: Any) -> ServeOptions:
     """ServeOptions from the effective settings (config file, environment) and the given flags."""
-    keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port")
+    keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace")
     if flags.get("rpc_backends") and flags.get("gpu_devices"):
         raise ApirctlError("--rpc-backend and --gpu-device are two different transports",
                            hint="keep --gpu-device for GPU passthrough or --rpc-backend for remoting")

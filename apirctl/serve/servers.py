@@ -19,7 +19,7 @@ from apirctl.podman.servers import (
     RUNNING,
     Server,
 )
-from apirctl.remoting import backends, rpc_server, tunnel
+from apirctl.remoting import apir_hosts, backends, rpc_server, tunnel
 
 if TYPE_CHECKING:
     pass
@@ -89,6 +89,7 @@ def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]: 
     """
     servers = podman_servers.list_servers(all)
     _own_backends(servers)
+    _own_apir_hosts(servers, all)
     if probe_health:
         for server in servers:
             if server.running:
@@ -104,7 +105,18 @@ def _why(server: Server) -> str:
         return "" if server.health in ("ok", "loading") else server.health
     said = f"exited (code {server.exit_code})" if server.exit_code is not None else server.state
     problem = _rpc_problem(server) if server.transport == "rpc" and server.rpc_link == "tcp" else None
+    if server.apir_host:  # an exited APIR server: whether its apir-host died, and how
+        problem = apir_hosts.problem(server.apir_host)
     return f"{said}: {problem}" if problem else said
+
+
+def _own_apir_hosts(servers: list[Server], listed_all: bool) -> None:
+    """Stop the apir-hosts of containers that are gone. A host outlives its container's exit
+    (a restart policy starts the container again against it), so exited containers count."""
+    if not apir_hosts.hosts():
+        return
+    existing = servers if listed_all else podman_servers.list_servers(True)
+    apir_hosts.clean(s.id for s in existing)
 
 
 def _health_of(server: Server) -> str:
@@ -112,6 +124,8 @@ def _health_of(server: Server) -> str:
     found = health(server.base, timeout=3.0) if server.url else "unreachable"
     if server.transport == "rpc":
         found = _rpc_problem(server) or found
+    elif server.apir_host:  # llama-server's /health says ok until its next request reaches the dead host
+        found = apir_hosts.problem(server.apir_host) or found
     return found
 
 
@@ -176,4 +190,6 @@ def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002
             tunnel.close(server.tunnels)
         if server.rpc_instance and server.rpc_link in ("unix", "shm") and server.name in stopped:
             backends.stop(server.rpc_instance)  # the container's own backend, socket and directory
+        if server.apir_host and server.name in stopped:
+            apir_hosts.stop(server.apir_host)  # its apir-host, socket and directory (the trace stays)
     return stopped

@@ -29,6 +29,7 @@ from apirctl.podman.servers import (
     L_AI_LAB,
     L_API,
     L_APIR,
+    L_APIR_HOST,
     L_DOCS,
     L_GPU,
     L_HOST_IP,
@@ -48,7 +49,7 @@ from apirctl.podman.servers import (
     Server,
     created_at,
 )
-from apirctl.remoting import backends, rpc_server, transport, tunnel
+from apirctl.remoting import apir_hosts, backends, rpc_server, transport, tunnel
 from apirctl.serve.inputs import (
     ModelFile,
     ServeOptions,
@@ -63,6 +64,7 @@ from apirctl.serve.units import kube as kube_yaml
 from apirctl.serve.units import quadlet as quadlet_unit
 
 if TYPE_CHECKING:
+    from apirctl.remoting.apir_hosts import Host
     from apirctl.remoting.backends import Instance
     from apirctl.remoting.transport import Plan
 
@@ -142,6 +144,8 @@ def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, k
         remote[L_RPC_LINK] = plan.rpc_link
     if plan.rpc_instance:
         remote[L_RPC_INSTANCE] = plan.rpc_instance
+    if plan.apir_host:
+        remote[L_APIR_HOST] = plan.apir_host
     return {
         **remote,
         L_VERSION: __version__,
@@ -221,7 +225,8 @@ def _pick_name(opts: ServeOptions, model_name: str, api: PodmanApi) -> str:
 
 
 def _one_virtgpu_at_a_time(plan: Plan) -> None:
-    if plan.transport != "virtgpu":
+    """macOS: one API-remoting container per VM (upstream's limit); on Linux each has its own host."""
+    if plan.transport != "virtgpu" or plan.apir_link:
         return
     for server in list_servers(probe_health=False):
         if server.transport == "virtgpu" and server.state in RUNNING:
@@ -299,6 +304,7 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
     api = containers.connect()
     name = _pick_name(opts, model.name, api)
     instance = None
+    apir = None
     try:  # every resource below is made inside the scope that removes it on any failure or Ctrl-C
         if plan is None:
             if opts.via_ssh:
@@ -308,13 +314,19 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
             phase("rpc backend")
             instance = rpc_server.start_own_backend(name)
             plan = transport.with_backend(plan, instance)
-        server = _start_container(opts, plan, model, name, phase, progress, api, instance)
+        if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
+            phase("apir host")
+            apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace)
+            plan = transport.with_apir_host(plan, apir)
+        server = _start_container(opts, plan, model, name, phase, progress, api, instance, apir)
     except BaseException:
         with _uninterrupted():
             if plan is not None and plan.tunnels:  # a kept container cannot use them either: it has exited
                 tunnel.close(plan.tunnels)
             if instance is not None:
                 backends.stop(instance)
+            if apir is not None:
+                apir_hosts.stop(apir)
         raise
     return Started(server=server, phases=phases, notice=plan.notice)
 
@@ -368,6 +380,9 @@ def generate(opts: ServeOptions, fmt: str) -> str:
                            "a Unix socket, and apirctl starts one backend per container it serves",
                            hint="generate against a TCP host backend (`apirctl machine restart --remoting "
                            "--listen tcp`), or with --transport none")
+    if plan.needs_apir_host:
+        raise ApirctlError("--generate cannot give the unit an apir-host: apirctl starts one per container it serves",
+                           hint="serve it with `apirctl serve --transport virtgpu` instead")
     model = resolve_model(opts.model)
     api = containers.connect()
     name = opts.name or f"apirctl-{_slug(model.name)}"
@@ -396,7 +411,7 @@ def _uninterrupted() -> Iterator[None]:
 
 def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str,
                      phase: ProgressFn, progress: ProgressFn | None, api: PodmanApi,
-                     instance: Instance | None = None) -> Server:
+                     instance: Instance | None = None, apir: Host | None = None) -> Server:
     """Image, container, start, wait for /health; a failed container is removed (unless --keep)."""
     phase("image")
     image_ref = _image_for(opts, plan, progress, api)
@@ -409,6 +424,8 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
             container_id = api.create(spec)
         if instance is not None:
             backends.attach(instance, container_id)
+        if apir is not None:
+            apir_hosts.attach(apir, container_id)
         api.start(container_id, name)
         phase("loading model")
         base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
@@ -416,6 +433,8 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
         _check_ours(base, f"{MODELS_DIR}/{model.filename}", opts.port)
         if instance is not None:
             backends.confirm_link(instance)
+        if apir is not None:
+            apir_hosts.release(apir)
         phase("ready")
     except BaseException as exc:
         with _uninterrupted():
@@ -436,6 +455,7 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
         state="running", health="ok", port=opts.port, created=created_at(attrs), image=image_ref,
         rpc_backends=list(opts.rpc_backends), tunnels=list(plan.tunnels), kind=model.kind, rpc_target=_target(plan),
         rpc_link=instance.link if instance is not None else plan.rpc_link, rpc_instance=plan.rpc_instance,
+        apir_host=plan.apir_host,
     )
 
 
@@ -541,7 +561,8 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
 
     The container keeps what serve gave it (model, name, port, llama flags, the backend address), so
     a server whose RPC backend was restarted under it connects to the new one: llama-server does not
-    reconnect by itself. Its instance label stays; it counts as connected because it started after
+    reconnect by itself. An APIR server whose apir-host died gets a new host on the same socket
+    first. Its instance label stays; it counts as connected because it started after
     the backend did (`rpc_server.backend_problem`).
     """
     say = progress or (lambda _step: None)
@@ -556,6 +577,9 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
     api = containers.connect()
     say(f"stopping {server.name}")
     api.stop(server.id, timeout=STOP_TIMEOUT)
+    if server.apir_host and apir_hosts.problem(server.apir_host):  # its host died: the same socket, a new host
+        say(f"starting the apir host of {server.name} again")
+        apir_hosts.revive(server.apir_host)
     say(f"starting {server.name}")
     api.start(server.id, server.name)
     say(f"waiting for {server.name} to load its model")

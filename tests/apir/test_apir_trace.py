@@ -121,6 +121,15 @@ def test_follow_waits_for_records_the_host_is_still_writing() -> None:
     assert len(found) == 6 and len(waits) == 2
 
 
+def test_a_live_trace_cut_inside_a_record_ends_there() -> None:
+    whole = _session()
+    complete = apir_trace.read(whole)
+    for cut in (len(whole) - 3, len(whole) - 30):
+        with pytest.raises(apir_trace.ApirTraceError, match="cut short in record 5"):
+            apir_trace.read(whole[:cut])
+        assert len(list(apir_trace.records(io.BytesIO(whole[:cut]), live=True))) == len(complete) - 1
+
+
 @pytest.mark.parametrize(("data", "message"), [
     (b"", "not an APIR trace"),
     (b"APIRTRC0" + bytes(40), "not an APIR trace"),
@@ -191,6 +200,8 @@ def test_cli_bad_file_is_one_line_error(tmp_path: Path, content: bytes) -> None:
     assert len(errors) == 1 and str(path) in errors[0]
 
 
-def test_cli_missing_file(tmp_path: Path) -> None:
+def test_cli_missing_file_and_no_trace(tmp_path: Path) -> None:
     done = run_cli("apir", "trace", str(tmp_path / "nope.trace"))
     assert done.returncode == 1 and "cannot read" in done.stderr and "Traceback" not in done.stderr
+    done = run_cli("apir", "trace")
+    assert done.returncode == 1 and "no APIR trace found" in done.stderr

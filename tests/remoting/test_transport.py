@@ -14,7 +14,7 @@ from apirctl import gpu
 from apirctl.errors import ApirctlError
 from apirctl.machine import MachineState, MachineStatus
 from apirctl.podman import containers, engine
-from apirctl.remoting import transport
+from apirctl.remoting import apir_hosts, transport
 
 
 def _status(state: MachineState, **details: object) -> MachineStatus:
@@ -49,6 +49,47 @@ def test_virtgpu_gets_the_gpu_device_unlabelled() -> None:
 def test_virtgpu_runs_the_image_the_machine_status_names() -> None:
     status = _status(MachineState.READY, image="quay.io/example/llama-cpp-apir:1")  # the active bundle's
     assert transport.plan("virtgpu", status=status, platform_name="darwin").image == "quay.io/example/llama-cpp-apir:1"
+
+
+def _fake_build(folder: Path, *, host: bool = True, frontend: bool = True) -> Path:
+    """A build directory with the files the Linux APIR plan looks for (empty files: nothing runs)."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(parents=True)
+    names = ["llama-server", "libggml-cpu.so", "libggml-virtgpu-backend.so"]
+    names += ["apir-host"] if host else []
+    names += ["libggml-virtgpu.so"] if frontend else []
+    for name in names:
+        (bin_dir / name).write_bytes(b"")
+    return folder
+
+
+def test_virtgpu_on_linux_is_an_apir_host_of_the_containers_own(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """No device, no network: the socket directory mounted read-only and the variable pointing at it;
+    the macOS plan (device, bundle image) is not used, and no machine status is asked."""
+    monkeypatch.setenv("APIRCTL_LLAMA_BUILD", str(_fake_build(tmp_path / "build")))
+    plan = transport.plan("virtgpu", ngl=99, platform_name="linux", status=_status(MachineState.NOT_RUNNING))
+    assert (plan.transport, plan.apir_link, plan.needs_apir_host) == ("virtgpu", "socket", True)
+    assert not plan.devices and not plan.security_opt and plan.network_mode is None and plan.image is None
+    assert plan.environment == {"GGML_VIRTGPU_SOCKET": "/run/apirctl-apir/apir.sock"}
+    host = apir_hosts.Host(id="0badcafe", directory=str(tmp_path / "apir-0badcafe"), log="x.log", started_at=0.0)
+    wired = transport.with_apir_host(plan, host)
+    assert not wired.needs_apir_host and wired.apir_host == "0badcafe"
+    spec = wired.apply(containers.ContainerSpec(image="img", command=["--model", "/models/m.gguf"]))
+    assert spec.command == ["--model", "/models/m.gguf", "--n-gpu-layers", "99"]
+    assert [(str(m.source), m.target, m.read_only) for m in spec.mounts] == \
+        [(str(tmp_path / "apir-0badcafe"), "/run/apirctl-apir", True)]
+    assert spec.environment["GGML_VIRTGPU_SOCKET"] == "/run/apirctl-apir/apir.sock"
+
+
+@pytest.mark.parametrize(("host", "frontend", "missing"), [(False, True, "no apir-host"),
+                                                           (True, False, "no ggml-virtgpu frontend")])
+def test_virtgpu_on_linux_without_the_pieces_says_what_to_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                host: bool, frontend: bool, missing: str) -> None:
+    monkeypatch.setenv("APIRCTL_LLAMA_BUILD", str(_fake_build(tmp_path / "build", host=host, frontend=frontend)))
+    with pytest.raises(ApirctlError, match=missing) as err:
+        transport.plan("virtgpu", platform_name="linux")
+    assert err.value.hint == "run `apirctl setup`"
 
 
 NO_GPU = gpu.Blocked(reason="no GPU device on this host")
@@ -99,7 +140,7 @@ def test_explicit_remoting_that_is_not_ready_is_an_error() -> None:
 
 
 @pytest.mark.parametrize(("name", "platform_name", "message"), [
-    ("virtgpu", "linux", "macOS"), ("rpc", "darwin", "Linux"), ("cuda", "linux", "unknown transport"),
+    ("rpc", "darwin", "Linux"), ("cuda", "linux", "unknown transport"),
 ])
 def test_transport_platform_mismatch(name: str, platform_name: str, message: str) -> None:
     with pytest.raises(ApirctlError, match=message):

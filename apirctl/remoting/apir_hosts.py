@@ -1,0 +1,413 @@
+"""One `apir-host` per APIR container (Linux): the ggml-virtgpu backend, without a VM.
+
+On macOS the ggml-virtgpu frontend in a container talks to virglrenderer inside krunkit. On Linux
+apirctl's llama.cpp build gives the frontend a local transport instead (a Unix socket for control,
+shared memory for commands, replies and data), and `apir-host` plays virglrenderer's part: it
+answers HANDSHAKE and LOADLIBRARY and hands FORWARD commands to the real
+`libggml-virtgpu-backend`, which runs them on the host build's GGML backend (CUDA, else CPU).
+
+Why one process per container: a crash in the backend library (docs/apir.md lists many a hostile
+or buggy client can cause) takes down that container's host only, and several APIR containers run
+at once (upstream allows one per VM). Each host listens on `apir.sock` in a directory of its own
+under apirctl's runtime directory (0700, checked); that directory alone is bind-mounted into the
+container at `CONTAINER_DIR`, and `GGML_VIRTGPU_SOCKET` points the frontend at it, so the
+container needs no network route to the host.
+
+The host runs under a small `sh` watcher (its process group leader) that logs how it ended: the
+exit status, or the signal that killed it. `problem()` quotes that line, so `ps` and `machine
+status` can say *why* a host is gone, which a pid alone cannot tell after the fact. Records live in
+the state directory (never in the mounted one: a container must not be able to point apirctl at
+another process); staleness follows `apirctl.remoting.backends`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ValidationError
+
+from apirctl.errors import ApirctlError, tail
+from apirctl.paths import dirs, ensure, private_dir, socket_path
+from apirctl.remoting.backends import failure_line, is_backend_process, proc_state, terminate
+
+if TYPE_CHECKING:
+    from apirctl.build.llamacpp import Build
+
+BINARY = "apir-host"
+SOCKET_NAME = "apir.sock"
+#: Where a container sees its host's directory, and the variable that points the frontend at the socket.
+CONTAINER_DIR = "/run/apirctl-apir"
+CONTAINER_SOCKET = f"{CONTAINER_DIR}/{SOCKET_NAME}"
+SOCKET_ENV = "GGML_VIRTGPU_SOCKET"
+#: The frontend's library in a build (its presence says the build can be an APIR client).
+FRONTEND_LIBRARY = "ggml-virtgpu"
+BACKEND_LIBRARY = "ggml-virtgpu-backend"
+READY_LINE = "apir-host: listening on"
+EXIT_MARK = "--- apirctl: apir-host"
+READY_TIMEOUT = 60.0
+
+# The watcher: runs the host, forwards SIGTERM/SIGINT to it, and logs how it ended.
+_WATCHER = r"""
+pidfile=$1; shift
+"$@" </dev/null &
+child=$!
+echo "$child" > "$pidfile"
+trap 'kill -TERM "$child" 2>/dev/null' TERM INT
+wait "$child"; rc=$?
+while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
+if [ "$rc" -gt 128 ]; then
+  echo "--- apirctl: apir-host (pid $child) was killed by signal $((rc - 128)) (SIG$(kill -l $((rc - 128))))"
+else
+  echo "--- apirctl: apir-host (pid $child) exited with status $rc"
+fi
+"""
+
+_children: list[subprocess.Popen[bytes]] = []
+
+
+def _reap() -> None:
+    for child in list(_children):
+        if child.poll() is not None:
+            _children.remove(child)
+
+
+class Host(BaseModel):
+    """One apir-host of one APIR container (state dir, JSON)."""
+
+    id: str  # 8 hex digits: the container's `apirctl.apir-host` label
+    pid: int = 0  # the apir-host process
+    watcher: int = 0  # the sh that runs it (its process group)
+    directory: str  # the private directory holding the socket (mounted into the container)
+    log: str
+    trace: str | None = None  # the trace file (`apir-host --trace`), when tracing is on
+    started_at: float
+    owner_pid: int = 0  # the apirctl process setting it up: while it lives, the host is not stale
+    owner_start: str = ""
+    container: str = ""  # the container's id once it exists
+    name: str = ""  # the container's (or the bench run's) name
+    binary: str = ""
+    backend_library: str = ""
+    ggml_library: str = ""
+    reg: str = ""
+
+    @property
+    def socket(self) -> Path:
+        return Path(self.directory) / SOCKET_NAME
+
+
+def records_dir() -> Path:
+    return dirs().state / "apir-hosts"
+
+
+def traces_dir() -> Path:
+    """Traces outlive their host (read them after the server stopped): `apirctl apir trace`."""
+    return dirs().logs / "apir-traces"
+
+
+def _record_file(host_id: str) -> Path:
+    return records_dir() / f"{host_id}.json"
+
+
+def _pid_file(host_id: str) -> Path:
+    return records_dir() / f"{host_id}.pid"
+
+
+def _write(host: Host) -> None:
+    path = _record_file(host.id)
+    ensure(path.parent)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(host.model_dump_json(indent=2))
+    tmp.replace(path)
+
+
+def get(host_id: str) -> Host | None:
+    if not host_id or not host_id.isalnum():
+        return None
+    try:
+        return Host.model_validate_json(_record_file(host_id).read_text())
+    except (OSError, ValidationError):
+        return None
+
+
+def hosts() -> list[Host]:
+    """Every recorded host, oldest first (stale ones too: `clean` removes those)."""
+    folder = records_dir()
+    found = [h for h in (get(p.stem) for p in sorted(folder.glob("*.json"))) if h is not None] if folder.exists() \
+        else []
+    return sorted(found, key=lambda h: h.started_at)
+
+
+def alive(host: Host) -> bool:
+    return bool(host.pid) and is_backend_process(host.pid, BINARY)
+
+
+# --- what a build offers ------------------------------------------------------------------------
+
+
+def libraries(build: Build) -> tuple[Path, Path, str]:
+    """(backend library, GGML library, registration symbol) of the host build: its GPU backend
+    (CUDA) where it has one, else the CPU backend."""
+    backend = "cuda" if build.backend == "cuda" else "cpu"
+    return build.library(BACKEND_LIBRARY), build.library(f"ggml-{backend}"), f"ggml_backend_{backend}_reg"
+
+
+def host_problem(build: Build | None) -> str | None:
+    """Why this host build cannot run apir-host, or None."""
+    if build is None:
+        return "llama.cpp is not built on this host"
+    if not (build.bin_dir / BINARY).exists():
+        return f"the llama.cpp build has no {BINARY} (a build from before APIR on Linux: run `apirctl setup`)"
+    try:
+        libraries(build)
+    except ApirctlError as exc:
+        return exc.message
+    return None
+
+
+def frontend_problem(build: Build | None) -> str | None:
+    """Why a (container or host) build has no ggml-virtgpu frontend with the socket transport, or None."""
+    if build is None:
+        return "the inference image's llama.cpp is not built"
+    if not any(build.bin_dir.glob(f"lib{FRONTEND_LIBRARY}.so*")):
+        return "the inference image's llama.cpp has no ggml-virtgpu frontend (run `apirctl setup`)"
+    return None
+
+
+# --- starting and stopping ------------------------------------------------------------------------
+
+
+def start(build: Build, name: str, trace: bool = False) -> Host:
+    """Start an apir-host for the container (or bench run) `name` and wait until it listens."""
+    backend_library, ggml_library, reg = libraries(build)
+    binary = build.binary(BINARY)
+    base = private_dir(dirs().runtime)
+    host_id = secrets.token_hex(4)
+    directory = base / f"apir-{host_id}"
+    socket_path(directory, SOCKET_NAME)
+    own = proc_state(os.getpid())
+    trace_file = None
+    if trace:
+        safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:60] or "apir"
+        trace_file = str(ensure(traces_dir()) / f"{safe}-{host_id}.trace")
+    host = Host(id=host_id, directory=str(directory), log=str(dirs().logs / f"apir-host-{host_id}.log"),
+                trace=trace_file, started_at=time.time(), owner_pid=os.getpid(), owner_start=own[1] if own else "",
+                name=name, binary=str(binary), backend_library=str(backend_library), ggml_library=str(ggml_library),
+                reg=reg)
+    try:
+        directory.mkdir(mode=0o700)
+        _launch(host)
+    except BaseException:
+        stop(host)
+        raise
+    return host
+
+
+def _command(host: Host) -> list[str]:
+    args = [host.binary, "--socket", str(host.socket), "--backend-library", host.backend_library,
+            "--ggml-library", host.ggml_library, "--ggml-reg", host.reg]
+    return args + (["--trace", host.trace] if host.trace else [])
+
+
+def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
+    """Run the host under its watcher, record it, and wait for its ready line."""
+    log = Path(host.log)
+    ensure(log.parent)
+    ensure(records_dir())
+    pid_file = _pid_file(host.id)
+    pid_file.unlink(missing_ok=True)
+    since = log.stat().st_size if log.exists() else 0
+    command = _command(host)
+    with log.open("ab") as fh:
+        stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        fh.write(f"--- apirctl: {stamp} starting {' '.join(command)}\n".encode())
+        fh.flush()
+        since = fh.tell()
+        # restore_signals=False keeps SIGPIPE ignored: a container that vanishes costs a failed write only.
+        watcher = subprocess.Popen(["sh", "-c", _WATCHER, "apir-watch", str(pid_file), *command],
+                                   stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                   start_new_session=True, restore_signals=False)
+    _children.append(watcher)
+    host.watcher = watcher.pid
+    _write(host)
+    deadline = time.monotonic() + timeout
+    while True:
+        if not host.pid:
+            with contextlib.suppress(OSError, ValueError):
+                host.pid = int(pid_file.read_text().strip())
+                _write(host)
+        text = _log_since(log, since)
+        if READY_LINE in text and host.pid and alive(host):
+            return
+        if watcher.poll() is not None or EXIT_MARK in text:
+            raise ApirctlError(f"{BINARY} did not start: {failure_line(log)}",
+                               hint=f"its log: {log}")
+        if time.monotonic() > deadline:
+            raise ApirctlError(f"{BINARY} did not listen on {host.socket} within {timeout:.0f}s",
+                               hint=f"its log: {log}")
+        time.sleep(0.02)
+
+
+def _log_since(log: Path, offset: int) -> str:
+    try:
+        with log.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def revive(host_id: str) -> Host:
+    """Start a host that died again, on the same socket directory (its container keeps the mount),
+    with the same libraries and trace; a host that runs is left alone."""
+    host = get(host_id)
+    if host is None:
+        raise ApirctlError(f"the apir host {host_id} of this server is gone (its record was removed)",
+                           hint="stop the server and serve it again")
+    if alive(host):
+        return host
+    if host.watcher:
+        terminate(host.watcher, timeout=2.0, binary="sh")
+    directory = Path(host.directory)
+    private_dir(directory.parent)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700)
+    Path(host.socket).unlink(missing_ok=True)
+    host.pid = 0
+    host.started_at = time.time()
+    _launch(host)
+    return host
+
+
+def attach(host: Host, container_id: str) -> Host:
+    """Record the container the host serves (from then on the container decides staleness)."""
+    host.container = container_id
+    _write(host)
+    return host
+
+
+def release(host: Host) -> Host:
+    """The container is up: its state alone decides from now on whether the host is stale."""
+    host.owner_pid, host.owner_start = 0, ""
+    _write(host)
+    return host
+
+
+def stop(host: Host | str) -> None:
+    """Stop the host (SIGTERM: it removes its socket), then its directory, record, pid file and log.
+    The trace stays, for `apirctl apir trace` after the server is gone."""
+    found = get(host) if isinstance(host, str) else host
+    if found is None:
+        return
+    _reap()
+    if found.pid:
+        terminate(found.pid, binary=BINARY)
+    if found.watcher:
+        terminate(found.watcher, timeout=2.0, binary="sh")
+    _reap()
+    directory = Path(found.directory)
+    if directory.parent == dirs().runtime and directory.name == f"apir-{found.id}":
+        shutil.rmtree(directory, ignore_errors=True)
+    _record_file(found.id).unlink(missing_ok=True)
+    _pid_file(found.id).unlink(missing_ok=True)
+    Path(found.log).unlink(missing_ok=True)
+
+
+def _owner_alive(host: Host) -> bool:
+    if not host.owner_pid:
+        return False
+    state = proc_state(host.owner_pid)
+    return state is not None and state[0] not in ("Z", "X") and (not host.owner_start or state[1] == host.owner_start)
+
+
+def stale(host: Host, existing: Iterable[str]) -> bool:
+    """No apirctl process is setting it up, and its container no longer exists. A host outlives
+    its container's exit on purpose: Podman's restart policy (or `apirctl restart`) starts the
+    container again against it, and a host that died stays recorded, so `ps` can say why."""
+    if _owner_alive(host):
+        return False
+    return not host.container or host.container not in set(existing)
+
+
+def clean(existing: Iterable[str]) -> list[str]:
+    """Stop the hosts whose containers are gone (`existing`: the ids of the containers that exist,
+    running or not); returns their names."""
+    existing = set(existing)
+    removed = []
+    for host in hosts():
+        if stale(host, existing):
+            stop(host)
+            removed.append(host.name or host.id)
+    return removed
+
+
+# --- why a host is gone -----------------------------------------------------------------------------
+
+
+def ending(host: Host) -> str | None:
+    """How the host's last run ended, from its watcher's line ("was killed by signal 9 (SIGKILL)"),
+    with the host's own last telling line when it said something before dying."""
+    lines = tail(Path(host.log), 60).splitlines()
+    marks = [i for i, line in enumerate(lines) if line.startswith(EXIT_MARK)]
+    if not marks:
+        return None
+    last = marks[-1]
+    how = lines[last].removeprefix("--- apirctl: ").strip()
+    before = [line.strip() for line in lines[:last] if line.strip() and not line.startswith("--- apirctl")]
+    telling = [line for line in before if any(w in line.lower() for w in ("error", "abort", "assert", "fail",
+                                                                          "fatal", "segmentation"))]
+    return f"{how}: {telling[-1]}" if telling else how
+
+
+def problem(host_id: str) -> str | None:
+    """Why a container on this host cannot work now, or None (cheap: `ps` asks for each server)."""
+    host = get(host_id)
+    if host is None:
+        return "apir host gone"
+    if alive(host):
+        return None
+    how = ending(host)
+    return f"apir host down: {how}" if how else f"apir host down (pid {host.pid} is gone; see {host.log})"
+
+
+def describe(host: Host, owner: str | None = None) -> str:
+    """One line for `machine status`: the container, pid, socket, trace, and why it is down."""
+    state = "" if alive(host) else f" (down: {ending(host) or 'pid gone'})"
+    trace = f", trace {host.trace}" if host.trace else ""
+    return f"{owner or host.name or '?'}: pid {host.pid}, {host.socket}{trace}{state}"
+
+
+# --- traces ------------------------------------------------------------------------------------------
+
+
+def trace_of(server: str | None = None) -> Path:
+    """The trace of a server's host (by container name or id prefix); without a name, that of the
+    only traced host, else the newest trace file."""
+    found = hosts()
+    if server:
+        for host in found:
+            if server in (host.name, host.container) or (len(server) >= 6 and host.container.startswith(server)):
+                if not host.trace:
+                    raise ApirctlError(f"the apir host of {server} does not trace",
+                                       hint="serve it with --apir-trace (or `apirctl config set apir_trace true`)")
+                return Path(host.trace)
+        raise ApirctlError(f"no apir host serves {server!r}",
+                           hint="`apirctl ps` lists servers; APIR servers run with --transport virtgpu")
+    traced = [h for h in found if h.trace]
+    if len(traced) == 1:
+        return Path(traced[0].trace or "")
+    if len(traced) > 1:
+        names = ", ".join(h.name for h in traced)
+        raise ApirctlError(f"several apir hosts trace ({names})", hint="name one with --server, or give a file")
+    files = sorted(traces_dir().glob("*.trace"), key=lambda p: p.stat().st_mtime) if traces_dir().exists() else []
+    if not files:
+        raise ApirctlError("no APIR trace found", hint="serve with `--transport virtgpu --apir-trace`, or give a file")
+    return files[-1]
