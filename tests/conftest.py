@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,12 @@ SHARED_CACHE = Path(os.environ.get("APIRCTL_TEST_CACHE", REPO / ".test-cache")).
 SHARED_HOME = SHARED_CACHE / "home"
 # Variables a developer may set to reuse things made elsewhere; all other APIRCTL_* are cleared.
 PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD", "APIRCTL_VULKAN_BUILD")
+
+# A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would
+# every apirctl it starts: the Ctrl-C tests would then test nothing. A handled signal is reset to its
+# default in an exec'd child; an ignored one stays ignored.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)
