@@ -228,9 +228,8 @@ def _drive(proc: BackendProcess, report: SelftestReport, cheap_calls: int, graph
         check("deinit", True)
     else:
         report.notes.append(
-            "the shared-resource buffer was neither freed nor deinit called: upstream's backend calls the "
-            "wrapped buffer's free function unconditionally, and host-pointer buffers of some GGML backends "
-            "(CPU) have none; --free-shared-buffer reproduces the crash (see docs/apir.md)")
+            "the shared-resource buffer was neither freed nor deinit called (--free-shared-buffer does both; "
+            "upstream's backend crashed there on CPU, patch 0007 of llama_patches/ fixes it: see docs/apir.md)")
 
 
 def _get(proc: BackendProcess, buffer: int, t: tensor.Tensor, staging: int) -> bytes:

@@ -40,7 +40,8 @@ def selftest(
     free_shared: Annotated[
         bool,
         typer.Option(
-            "--free-shared-buffer", help="Also free the shared-memory buffer and deinit (crashes upstream on CPU)."
+            "--free-shared-buffer",
+            help="Also free the shared-memory buffer and deinit (crashed upstream on CPU before patch 0007).",
         ),
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,

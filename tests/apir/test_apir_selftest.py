@@ -39,13 +39,12 @@ def test_selftest_passes_on_the_cpu_library(backend_libs: Libs) -> None:
     assert report.crashed_in is None
 
 
-def test_a_crash_is_reported_with_the_call_and_we_survive(backend_libs: Libs) -> None:
+def test_freeing_the_shared_buffer_and_deinit_work_with_the_patched_library(backend_libs: Libs) -> None:
+    # Upstream's library crashed in buffer_free_buffer here on CPU (docs/apir.md, finding 5): patch 0007
+    # frees through ggml_backend_buffer_free. Crashes are still reported: see the crashing probes.
     report = selftest.run(*backend_libs, cheap_calls=10, graph_calls=2, free_shared=True)
-    assert not report.ok
-    assert report.crashed_in == "buffer_free_buffer"
-    assert report.crash is not None and "SIGSEGV" in report.crash
-    assert report.checks[-1].name == "buffer_free_buffer" and not report.checks[-1].ok
-    assert any(c.name == "graph result vs numpy" and c.ok for c in report.checks)  # what ran before still counts
+    assert report.ok and report.crashed_in is None, report.model_dump_json(indent=1)
+    assert [c.name for c in report.checks][-2:] == ["buffer_free_buffer", "deinit"]
 
 
 def test_wrong_registration_symbol_is_an_init_failure_not_a_crash(backend_libs: Libs) -> None:
@@ -104,13 +103,13 @@ def test_cli_selftest_json(backend_libs: Libs) -> None:
     assert [x["call"] for x in report["latencies"]] == ["device_get_count", "backend_graph_compute"]
 
 
-def test_cli_selftest_crash_exits_non_zero_without_traceback(backend_libs: Libs) -> None:
+def test_cli_selftest_frees_the_shared_buffer_with_the_patched_library(backend_libs: Libs) -> None:
+    # upstream's library crashed here on CPU (docs/apir.md, finding 5); patch 0007 frees it through ggml
     lib, ggml, reg = backend_libs
     done = _cli("backend", "selftest", "--library", str(lib), "--ggml-library", str(ggml), "--reg", reg,
                 "--calls", "5", "--graph-calls", "1", "--free-shared-buffer")
-    assert done.returncode == 1
-    assert "crashed during buffer_free_buffer" in done.stdout
-    assert "Traceback" not in done.stderr + done.stdout
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "crashed" not in done.stdout and "Traceback" not in done.stderr + done.stdout
 
 
 def test_cli_selftest_missing_library_is_one_line(tmp_path: Path) -> None:
