@@ -48,6 +48,10 @@ EXECUTABLES = ("llama-server", "llama-bench", "ggml-rpc-server", "llama-quantize
 #: A Vulkan build exists only for the passthrough image: its two programs, nothing for the host.
 IMAGE_ONLY_EXECUTABLES = ("llama-server", "llama-bench")
 HOST_LIBRARIES = ("ggml-virtgpu-backend",)
+#: API remoting on Linux: the host process that serves the frontend over a Unix socket (built with the host library).
+APIR_HOST = "apir-host"
+#: The API remoting frontend (the ggml-virtgpu backend with the socket transport), linked into llama-server.
+FRONTEND_LIBRARIES = ("ggml-virtgpu",)
 LIB_SUFFIX = ".dylib" if host.os_is_macos() else ".so"
 
 ProgressFn = Callable[[int, int, str], None]
@@ -59,6 +63,8 @@ class BuildOptions(BaseModel):
     backend: Backend = "cpu"
     rpc: bool = True
     virtgpu_backend: bool = True
+    #: The APIR frontend with the socket transport (Linux): no libdrm, no download at build time.
+    virtgpu_frontend: bool = False
     native: bool = True
     cuda_architectures: str | None = None
     build_type: str = "Release"
@@ -90,17 +96,24 @@ class BuildOptions(BaseModel):
             args.append("-DGGML_VULKAN=ON")
         else:
             args.append("-DGGML_METAL=OFF")
-        if self.virtgpu_backend:
-            # ONLY: the host library alone; the frontend needs libdrm and a download at build time.
+        if self.virtgpu_frontend:
+            # The frontend over a Unix socket (patch series); with the host library, apir-host too.
+            args += ["-DGGML_VIRTGPU=ON", f"-DGGML_VIRTGPU_BACKEND={'ON' if self.virtgpu_backend else 'OFF'}",
+                     "-DGGML_VIRTGPU_TRANSPORT=socket"]
+        elif self.virtgpu_backend:
+            # ONLY: the host library alone; the DRM frontend needs libdrm and a download at build time.
             args += ["-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ONLY"]
         return args
 
     def executables(self) -> tuple[str, ...]:
         """The programs this build must have (a Vulkan build is for the image only: fewer targets)."""
-        return IMAGE_ONLY_EXECUTABLES if self.backend == "vulkan" else EXECUTABLES
+        if self.backend == "vulkan":
+            return IMAGE_ONLY_EXECUTABLES
+        return EXECUTABLES + ((APIR_HOST,) if self.virtgpu_backend and self.virtgpu_frontend else ())
 
     def targets(self) -> list[str]:
-        return list(self.executables()) + (list(HOST_LIBRARIES) if self.virtgpu_backend else [])
+        return (list(self.executables()) + (list(HOST_LIBRARIES) if self.virtgpu_backend else [])
+                + (list(FRONTEND_LIBRARIES) if self.virtgpu_frontend else []))
 
     def key(self) -> str:
         blob = json.dumps({"source": SOURCE_SHA256, "patches": patches_digest(), "options": self.model_dump()},
@@ -165,12 +178,18 @@ def host_options(backend: Backend | None = None) -> BuildOptions:
     arch = None
     if chosen == "cuda":  # part of the cache key, so read on every lookup, not only by `apirctl setup`
         arch = config.settings().cuda_architectures
-    return BuildOptions(backend=chosen, virtgpu_backend=True, cuda_architectures=arch)
+    return BuildOptions(backend=chosen, virtgpu_backend=True, virtgpu_frontend=_socket_frontend(),
+                        cuda_architectures=arch)
+
+
+def _socket_frontend() -> bool:
+    """The APIR frontend's socket transport needs Linux (memfds); macOS containers use virtio-gpu."""
+    return sys.platform.startswith("linux")
 
 
 def container_options() -> BuildOptions:
-    """The image needs no GPU backend and no host library: remoting brings the GPU."""
-    return BuildOptions(backend="cpu", virtgpu_backend=False)
+    """The image needs no GPU backend and no host library: remoting brings the GPU (RPC, or APIR's frontend)."""
+    return BuildOptions(backend="cpu", virtgpu_backend=False, virtgpu_frontend=_socket_frontend())
 
 
 VULKAN_PACKAGES = ("`sudo apt-get install libvulkan-dev glslc spirv-headers` (Debian 13, Ubuntu 24.04) or "

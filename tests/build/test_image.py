@@ -33,6 +33,8 @@ def test_rootfs_holds_binaries_and_exactly_their_libraries(container_build: llam
     names = {p.name for p in (rootfs / "app" / "bin").iterdir()}
     assert {"llama-server", "llama-bench", "libggml-cpu.so", "libggml-rpc.so"} <= names
     assert not any(n.startswith(image.EXCLUDED_LIBRARIES) for n in names)
+    if container_build.options is not None and container_build.options.virtgpu_frontend:
+        assert "libggml-virtgpu.so" in names and "apir-host" not in names  # API remoting's frontend, not its host
     # Every system library ldd resolves for what we placed is in the root filesystem.
     for lib in image.system_libraries(placed):
         assert (rootfs / lib.relative_to("/")).exists(), lib

@@ -24,10 +24,25 @@ def test_cmake_args_follow_the_backend() -> None:
     cuda = llamacpp.BuildOptions(backend="cuda", cuda_architectures="90").cmake_args()
     assert "-DGGML_CUDA=ON" in cuda and "-DCMAKE_CUDA_ARCHITECTURES=90" in cuda
     host = llamacpp.host_options("cpu")
-    assert "-DGGML_VIRTGPU_BACKEND=ONLY" in host.cmake_args() and "ggml-virtgpu-backend" in host.targets()
+    assert "ggml-virtgpu-backend" in host.targets()
     container = llamacpp.container_options()
-    assert not any("VIRTGPU" in a for a in container.cmake_args())
     assert "-DGGML_RPC=ON" in container.cmake_args()
+    if sys.platform.startswith("linux"):
+        # API remoting on Linux: the frontend over a Unix socket in both, the host library and apir-host on the host
+        assert {"-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ON", "-DGGML_VIRTGPU_TRANSPORT=socket"} <= \
+            set(host.cmake_args())
+        assert "apir-host" in host.targets() and "apir-host" in host.executables()
+        assert {"-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=OFF", "-DGGML_VIRTGPU_TRANSPORT=socket"} <= \
+            set(container.cmake_args())
+        assert "ggml-virtgpu" in container.targets() and "apir-host" not in container.targets()
+    else:
+        assert "-DGGML_VIRTGPU_BACKEND=ONLY" in host.cmake_args()
+        assert not any("VIRTGPU" in a for a in container.cmake_args())
+    # the macOS-style host library alone (no frontend) still builds with ONLY, and never apir-host
+    only = llamacpp.BuildOptions(backend="metal", virtgpu_frontend=False)
+    assert "-DGGML_VIRTGPU_BACKEND=ONLY" in only.cmake_args() and "apir-host" not in only.targets()
+    vulkan = llamacpp.vulkan_options()
+    assert not any("VIRTGPU" in a for a in vulkan.cmake_args())
 
 
 def test_directory_without_manifest_is_not_a_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -55,6 +70,9 @@ def test_build_has_every_target(llama_build: llamacpp.Build) -> None:
     for exe in llamacpp.EXECUTABLES:
         assert os.access(llama_build.binary(exe), os.X_OK)
     assert llama_build.library("ggml-virtgpu-backend").exists()
+    if llama_build.options is not None and llama_build.options.virtgpu_frontend:
+        assert llama_build.library("ggml-virtgpu").exists()
+        assert os.access(llama_build.binary("apir-host"), os.X_OK)
     out = subprocess.run([str(llama_build.binary("llama-server")), "--version"], capture_output=True, text=True)
     assert llamacpp.LLAMA_BUILD_NUMBER in out.stdout + out.stderr
 
