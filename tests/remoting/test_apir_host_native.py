@@ -1,0 +1,422 @@
+"""API remoting on Linux without a VM: the patched ggml-virtgpu frontend against `apir-host`, with real processes.
+
+`apir-host` (llama_patches 0006) does what virglrenderer's APIR component does for krunkit: it maps
+the frontend's shared memory, answers HANDSHAKE and LOADLIBRARY, and hands FORWARD commands to the
+real host backend library. Here it runs on the CPU backend: built with AddressSanitizer and
+UndefinedBehaviorSanitizer and fed hostile clients, and as built by `apirctl setup` behind the
+build's llama-server, which must generate the same greedy tokens as native CPU llama.cpp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from apirctl.build import llamacpp
+from tests.remoting.conftest import free_port
+from tests.remoting.test_shm_native import greedy_tokens, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
+
+# apir-socket.h: the framing on the socket
+MAGIC = 0x31535041  # "APS1"
+SHMEM_CREATE, SHMEM_DESTROY, COMMAND = 1, 2, 3
+HEADER = struct.Struct("<IIIIQ")
+# api_remoting.h and the dispatch table (docs/apir.md)
+HANDSHAKE, LOADLIBRARY, FORWARD = 0, 1, 2
+HANDSHAKE_MAGIC = 0xAB1E
+DEVICE_GET_COUNT, DEVICE_GET_NAME, BUFFER_TYPE_GET_NAME = 1, 2, 10
+DEVICE_BUFFER_FROM_PTR, BUFFER_SET_TENSOR, GRAPH_COMPUTE = 9, 17, 22
+FORWARD_NO_DISPATCH_FCT, FORWARD_BASE = 1, 4
+RPC_TENSOR_SIZE = 304
+REPLY_SIZE = 16384
+TRACE_RECORD = struct.Struct("<IIIIIIQQ")
+
+
+def header(kind: int, res_id: int = 0, size: int = 0, magic: int = MAGIC, reserved: int = 0) -> bytes:
+    return HEADER.pack(magic, kind, res_id, reserved, size)
+
+
+def sealed_memfd(size: int, seal: bool = True, file_size: int | None = None) -> int:
+    fd = os.memfd_create("hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size if file_size is None else file_size)
+    if seal:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+class Client:
+    """A frontend written by hand: every message is ours to get right, or wrong."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(str(path))
+        self.maps: dict[int, mmap.mmap] = {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def shmem(self, res_id: int, size: int, announced: int | None = None, seal: bool = True,
+              file_size: int | None = None) -> None:
+        fd = sealed_memfd(size, seal, file_size)
+        socket.send_fds(self.sock, [header(SHMEM_CREATE, res_id, size if announced is None else announced)], [fd])
+        self.maps[res_id] = mmap.mmap(fd, size if file_size is None else file_size)
+        os.close(fd)
+
+    def command(self, cmd_type: int, flags: int, reply_id: int, args: bytes = b"") -> None:
+        body = struct.pack("<iiI", cmd_type, flags, reply_id) + args
+        self.sock.sendall(header(COMMAND, size=len(body)) + body)
+
+    def call(self, cmd_type: int, flags: int = 0, args: bytes = b"", reply_id: int = 1,
+             timeout: float = 60) -> tuple[int, bytes]:
+        """Send a command and wait for the host's answer in the reply resource: (return value, reply bytes)."""
+        page = self.maps[reply_id]
+        page[0:4] = bytes(4)
+        self.command(cmd_type, flags, reply_id, args)
+        deadline = time.monotonic() + timeout
+        while (word := struct.unpack_from("<I", page, 0)[0]) == 0:
+            assert time.monotonic() < deadline, "no answer from apir-host"
+            time.sleep(0.0005)
+        return word - 1, bytes(page[4:REPLY_SIZE])
+
+    def closed_by_host(self, timeout: float = 30) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+
+def good_session(path: Path) -> None:
+    """What the frontend does first: reply and data resources, handshake, library, a few calls."""
+    c = Client(path)
+    try:
+        c.shmem(1, REPLY_SIZE)
+        c.shmem(2, 1 << 20)
+        ret, reply = c.call(HANDSHAKE, args=struct.pack("<II", 0, 2))
+        assert ret == HANDSHAKE_MAGIC and struct.unpack_from("<II", reply) == (0, 2)
+        assert c.call(LOADLIBRARY)[0] == 0
+        ret, reply = c.call(FORWARD, DEVICE_GET_COUNT)
+        assert ret == FORWARD_BASE and struct.unpack_from("<i", reply)[0] == 1
+        ret, reply = c.call(FORWARD, DEVICE_GET_NAME)
+        (length,) = struct.unpack_from("<Q", reply)
+        assert ret == FORWARD_BASE and reply[8:8 + length - 1] == b"CPU"
+    finally:
+        c.close()
+
+
+def decode_trace(trace: Path) -> list[tuple[int, int, int, bytes]]:
+    """The trace: a magic, then per command answered a record, the command as received and the reply."""
+    data = trace.read_bytes()
+    assert data[:8] == b"APIRTRC1"
+    records, at = [], 8
+    while at < len(data):
+        cmd_type, flags, ret, req_len, reply_len, reserved, start, _duration = TRACE_RECORD.unpack_from(data, at)
+        at += TRACE_RECORD.size
+        request = data[at:at + req_len]
+        reply = data[at + req_len:at + req_len + reply_len]
+        at += req_len + reply_len
+        assert reserved == 0 and start > 0 and struct.unpack_from("<i", request)[0] == cmd_type
+        records.append((cmd_type, flags, ret, reply))
+    assert at == len(data)
+    return records
+
+
+@pytest.fixture(scope="module")
+def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """apir-host compiled from the patched source with AddressSanitizer and UndefinedBehaviorSanitizer."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    src = llamacpp.source_dir()
+    virtgpu = src / "ggml/src/ggml-virtgpu"
+    exe = tmp_path_factory.mktemp("asan") / "apir-host"
+    build = subprocess.run(
+        [compiler, "-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+         "-Wno-unused-parameter", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+         "-fno-omit-frame-pointer", f"-I{virtgpu}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/include'}",
+         f"-I{virtgpu / 'backend'}", str(virtgpu / "host/apir-host.cpp"), "-o", str(exe), "-ldl"],
+        capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    return exe
+
+
+@contextlib.contextmanager
+def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | None = None,
+              ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """apir-host on the CPU backend; yields (process, socket, log)."""
+    path, log = workdir / "apir.sock", workdir / "apir-host.log"
+    args = [str(exe), "--socket", str(path), "--backend-library", str(build.library("ggml-virtgpu-backend")),
+            "--ggml-library", str(build.library("ggml-cpu"))]
+    if trace is not None:
+        args += ["--trace", str(trace)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                # a crash of the backend library (by design, in a child) is a signal, not a report
+                                env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:handle_segv=0"})
+    try:
+        wait_for(lambda: b"apir-host: listening on" in log.read_bytes() or proc.poll() is not None, 60,
+                 "apir-host to listen")
+        assert proc.poll() is None, log.read_text(errors="replace")
+        yield proc, path, log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    d = tmp_path / "apir"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_host_survives_hostile_clients_under_sanitizers(asan_host: Path, llama_build: llamacpp.Build,
+                                                        workdir: Path) -> None:
+    trace = workdir / "trace.bin"
+    with apir_host(asan_host, llama_build, workdir, trace) as (host, path, log):
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        good_session(path)
+
+        def dropped(send, expect: str) -> None:  # type: ignore[no-untyped-def]
+            c = Client(path)
+            try:
+                send(c)
+                assert c.closed_by_host(), f"the host kept a client that {expect}"
+            finally:
+                c.close()
+            assert host.poll() is None, log.read_text(errors="replace")[-3000:]
+            wait_for(lambda: expect in log.read_text(errors="replace"), 30, expect)
+
+        # framing: garbage, a bad magic, an unknown message type, a truncated header, a huge or tiny command
+        dropped(lambda c: c.sock.sendall(os.urandom(4096)), "bad header")
+        dropped(lambda c: c.sock.sendall(header(7)), "unknown message type 7")
+        dropped(lambda c: c.sock.sendall(header(COMMAND, reserved=1)), "bad header")
+        dropped(lambda c: c.sock.sendall(header(COMMAND, size=1 << 40)), "a command of 1099511627776 bytes")
+        dropped(lambda c: c.sock.sendall(header(COMMAND, size=8)), "a command of 8 bytes")
+
+        def truncated_header(c: Client) -> None:
+            c.sock.sendall(header(COMMAND, size=64)[:10])
+            c.sock.shutdown(socket.SHUT_WR)
+
+        dropped(truncated_header, "inside a message header")
+
+        def truncated_command(c: Client) -> None:
+            c.sock.sendall(header(COMMAND, size=1000) + bytes(100))
+            c.sock.shutdown(socket.SHUT_WR)
+
+        dropped(truncated_command, "inside a command")
+        # memfds: none, unsealed, smaller than announced, a bad size, id 0, an id twice, too many descriptors
+        dropped(lambda c: c.sock.sendall(header(SHMEM_CREATE, 1, 16384)), "without its memfd")
+        dropped(lambda c: c.shmem(1, REPLY_SIZE, seal=False), "not sealed against resizing")
+        dropped(lambda c: c.shmem(1, REPLY_SIZE, announced=1 << 30), "not a file of the announced size")
+        dropped(lambda c: c.shmem(1, 1000), "invalid size 1000")
+        dropped(lambda c: c.shmem(0, REPLY_SIZE), "resource id 0 is reserved")
+
+        def twice(c: Client) -> None:
+            c.shmem(5, REPLY_SIZE)
+            c.shmem(5, REPLY_SIZE)
+
+        dropped(twice, "resource id 5 is already in use")
+
+        def fd_with_command(c: Client) -> None:
+            fd = sealed_memfd(REPLY_SIZE)
+            socket.send_fds(c.sock, [header(COMMAND, size=12) + bytes(12)], [fd])
+            os.close(fd)
+
+        dropped(fd_with_command, "bad header")
+        dropped(lambda c: c.sock.sendall(header(SHMEM_DESTROY, 42)), "destroying resource 42")
+        # commands: unknown or too small reply resources, a short handshake, garbage command types
+        dropped(lambda c: c.command(HANDSHAKE, 0, 99, struct.pack("<II", 0, 2)), "resource 99 does not exist")
+
+        def small_reply(c: Client) -> None:
+            c.shmem(1, 4096)
+            c.command(HANDSHAKE, 0, 1, struct.pack("<II", 0, 2))
+
+        dropped(small_reply, "resource 1 is too small")
+
+        def with_reply(send):  # type: ignore[no-untyped-def]
+            def run(c: Client) -> None:
+                c.shmem(1, REPLY_SIZE)
+                send(c)
+            return run
+
+        dropped(with_reply(lambda c: c.command(HANDSHAKE, 0, 1)), "a handshake without the guest's version")
+        for cmd_type in (3, -1, 331, 0x7FFFFFFF):
+            dropped(with_reply(lambda c, t=cmd_type: c.command(t, 0, 1)), f"unknown command type {cmd_type}")
+
+        # extra descriptors with a memfd are closed and the memfd is used
+        c = Client(path)
+        a, b = sealed_memfd(REPLY_SIZE), sealed_memfd(REPLY_SIZE)
+        socket.send_fds(c.sock, [header(SHMEM_CREATE, 1, REPLY_SIZE)], [a, b])
+        c.maps[1] = mmap.mmap(a, REPLY_SIZE)
+        os.close(a)
+        os.close(b)
+        assert c.call(HANDSHAKE, args=struct.pack("<II", 0, 2))[0] == HANDSHAKE_MAGIC
+        c.close()
+
+        # answered, not dropped: FORWARD before LOADLIBRARY (which would crash the library), an index
+        # past the table, transfers larger than their resource (which would fault the library)
+        c = Client(path)
+        c.shmem(1, REPLY_SIZE)
+        c.shmem(2, 65536)
+        assert c.call(FORWARD, DEVICE_GET_COUNT)[0] == FORWARD_NO_DISPATCH_FCT
+        assert c.call(LOADLIBRARY)[0] == 0
+        assert c.call(LOADLIBRARY)[0] == 2  # APIR_LOAD_LIBRARY_ALREADY_LOADED
+        assert c.call(FORWARD, 23)[0] == FORWARD_BASE + 6
+        assert c.call(FORWARD, -1)[0] == FORWARD_BASE + 6
+        assert c.call(FORWARD, GRAPH_COMPUTE, struct.pack("<IQ", 2, 1 << 20))[0] == FORWARD_BASE + 1
+        assert c.call(FORWARD, DEVICE_BUFFER_FROM_PTR, struct.pack("<IQQ", 2, 1 << 30, 1 << 30))[0] == \
+            FORWARD_BASE + 1
+        set_tensor = struct.pack("<Q", 0) + bytes(RPC_TENSOR_SIZE) + struct.pack("<IQQ", 2, 0, 1 << 26)
+        assert c.call(FORWARD, BUFFER_SET_TENSOR, set_tensor)[0] == FORWARD_BASE + 1
+        assert c.call(FORWARD, DEVICE_GET_COUNT)[0] == FORWARD_BASE  # still serving this client
+        c.close()
+        assert "moves 1048576 bytes through resource 2 of 65536 bytes" in log.read_text(errors="replace")
+
+        # a client that dies inside a command
+        dying = subprocess.Popen([sys.executable, "-c", (
+            "import socket, struct, time, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+            f"s.sendall(struct.pack('<IIIIQ', {MAGIC}, {COMMAND}, 0, 0, 4000) + bytes(50)); time.sleep(60)"),
+            str(path)])
+        time.sleep(0.5)
+        dying.kill()
+        dying.wait()
+        wait_for(lambda: log.read_text(errors="replace").count("inside a command") >= 2, 30, "the dead client dropped")
+
+        # a command the backend library itself crashes on (an unknown buffer-type handle, docs/apir.md):
+        # the child serving that client dies, the host lives on
+        c = Client(path)
+        c.shmem(1, REPLY_SIZE)
+        assert c.call(LOADLIBRARY)[0] == 0
+        c.command(FORWARD, BUFFER_TYPE_GET_NAME, 1, struct.pack("<Q", 0xDEADBEEF000))
+        assert c.closed_by_host()
+        c.close()
+        wait_for(lambda: "the backend library crashed; serving the next client" in log.read_text(errors="replace"),
+                 30, "the crash reported")
+
+        assert host.poll() is None
+        good_session(path)
+        text = log.read_text(errors="replace")
+        assert "runtime error" not in text and "AddressSanitizer" not in text, text[-3000:]
+    assert host.returncode == 0, log.read_text(errors="replace")[-3000:]  # SIGTERM: a clean exit
+    assert not path.exists()  # the socket is removed
+
+    records = decode_trace(trace)
+    assert records[0] == (HANDSHAKE, 0, HANDSHAKE_MAGIC, struct.pack("<II", 0, 2))
+    assert (FORWARD, DEVICE_GET_COUNT, FORWARD_BASE, struct.pack("<i", 1)) in records
+
+
+def test_host_refuses_to_start_insecurely(llama_build: llamacpp.Build, tmp_path: Path) -> None:
+    exe = llama_build.binary("apir-host")
+    libs = ["--backend-library", str(llama_build.library("ggml-virtgpu-backend")),
+            "--ggml-library", str(llama_build.library("ggml-cpu"))]
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    done = subprocess.run([str(exe), "--socket", str(open_dir / "s.sock"), *libs], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode != 0 and "writable by others" in done.stderr
+    done = subprocess.run([str(exe), "--socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and "are required" in done.stderr
+    not_a_trace = tmp_path / "notes.txt"
+    not_a_trace.write_text("my notes\n")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    done = subprocess.run([str(exe), "--socket", str(private / "s.sock"), *libs, "--trace", str(not_a_trace)],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode != 0 and "not an apir-host trace" in done.stderr
+    assert not_a_trace.read_text() == "my notes\n"
+
+
+@contextlib.contextmanager
+def llama_server(build: llamacpp.Build, model: Path, workdir: Path, socket_path: Path | None,
+                 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """The build's llama-server: on the APIR device when socket_path is given, else native CPU."""
+    port = free_port()
+    args = [str(build.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-t", "1", "-c", "512", "--no-warmup", "-ngl", "99" if socket_path else "0"]
+    env = {k: v for k, v in os.environ.items() if k != "GGML_VIRTGPU_SOCKET"}
+    if socket_path is not None:
+        env["GGML_VIRTGPU_SOCKET"] = str(socket_path)
+    log = workdir / f"llama-server-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_for(healthy, 180, "llama-server")
+        yield proc, url, log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_same_greedy_tokens_native_and_through_apir_host(llama_build: llamacpp.Build, demo_model: Path,
+                                                         workdir: Path) -> None:
+    with llama_server(llama_build, demo_model, workdir, None) as (_, url, log):
+        native = greedy_tokens(url)
+        assert "ggml-virtgpu" not in log.read_text(errors="replace")  # no socket: no device, not a word
+    trace = workdir / "trace.bin"
+    with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, host_log), \
+            llama_server(llama_build, demo_model, workdir, path) as (_, url, _log):
+        remote = greedy_tokens(url)
+    assert remote == native
+    # the generation ran on the host: a graph compute per token at least, through the trace
+    calls = decode_trace(trace)
+    assert sum(1 for r in calls if r[0] == FORWARD and r[1] == GRAPH_COMPUTE and r[2] == FORWARD_BASE) >= 24
+    assert "client disconnected" in host_log.read_text(errors="replace")  # the server's exit was clean
+
+
+def test_host_killed_mid_decode_fails_the_client_clearly(llama_build: llamacpp.Build, demo_model: Path,
+                                                          workdir: Path) -> None:
+    with apir_host(llama_build.binary("apir-host"), llama_build, workdir) as (host, path, _), \
+            llama_server(llama_build, demo_model, workdir, path) as (client, url, log):
+        body = json.dumps({"prompt": "Count:", "n_predict": 4000, "ignore_eos": True, "stream": True}).encode()
+        req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+        with contextlib.suppress(OSError), urllib.request.urlopen(req, timeout=60) as stream:
+            stream.readline()  # decoding is under way
+            host.send_signal(signal.SIGKILL)  # its child serving the client dies with it
+            killed = time.monotonic()
+            client.wait(timeout=30)
+        assert client.poll() is not None, "llama-server hung after the APIR host died"
+        assert time.monotonic() - killed < 30
+        assert "the APIR host closed the connection" in log.read_text(errors="replace")
+
+
+def test_socket_set_but_no_host_is_a_clear_error(llama_build: llamacpp.Build, demo_model: Path,
+                                                 workdir: Path) -> None:
+    env = {**os.environ, "GGML_VIRTGPU_SOCKET": str(workdir / "nobody.sock")}
+    done = subprocess.run([str(llama_build.binary("llama-server")), "-m", str(demo_model), "--port", "0"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "cannot connect to the APIR host at GGML_VIRTGPU_SOCKET=" in done.stderr
