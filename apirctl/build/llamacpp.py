@@ -184,7 +184,7 @@ def host_options(backend: Backend | None = None) -> BuildOptions:
 
 def _socket_frontend() -> bool:
     """The APIR frontend's socket transport needs Linux (memfds); macOS containers use virtio-gpu."""
-    return sys.platform.startswith("linux")
+    return host.os_is_linux()
 
 
 def container_options() -> BuildOptions:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from apirctl import host as platform
 from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError
 
@@ -27,7 +28,7 @@ def test_cmake_args_follow_the_backend() -> None:
     assert "ggml-virtgpu-backend" in host.targets()
     container = llamacpp.container_options()
     assert "-DGGML_RPC=ON" in container.cmake_args()
-    if sys.platform.startswith("linux"):
+    if platform.os_is_linux():
         # API remoting on Linux: the frontend over a Unix socket in both, the host library and apir-host on the host
         assert {"-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ON", "-DGGML_VIRTGPU_TRANSPORT=socket"} <= \
             set(host.cmake_args())
