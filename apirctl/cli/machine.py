@@ -9,7 +9,6 @@ import typer
 
 if TYPE_CHECKING:
     from apirctl.machine import MachineStatus
-    from apirctl.podman.servers import Server
 
 app = typer.Typer(
     help=(
@@ -116,26 +115,19 @@ def restart(
     if stale and not restart_servers:
         for server in stale:
             err_console().print(f"{server.name}: {server.why}", soft_wrap=True, highlight=False, markup=False)
-        # a server whose backend moved (another port, a Unix socket) needs a new container, not a restart
-        if not json_out and any(not _needs_new_container(s) for s in stale):
+        if not json_out:
             restart_servers = _ask("restart them now?")
         if not restart_servers:
             err_console().print("[dim]hint: `apirctl machine restart --remoting --restart-servers` restarts them "
                                 "(or `apirctl stop NAME`, then serve it again)[/]", soft_wrap=True)
     if stale and restart_servers:
-        failed = _restart_servers([s.name for s in stale if not _needs_new_container(s)])
-        failed += [f"{s.name} ({s.why})" for s in stale if _needs_new_container(s)]
+        failed = _restart_servers([s.name for s in stale])
         result = machines.current().status(name)
         if failed:
             _print(result, json_out)
             raise ApirctlError(f"could not restart {'; '.join(failed)}",
                                hint="see `apirctl logs NAME`; or `apirctl stop NAME`, then serve it again")
     _print(result, json_out)
-
-
-def _needs_new_container(server: Server) -> bool:
-    """Its backend moved (another port, a Unix socket): its container dials the old address."""
-    return server.why.endswith("serve it again")
 
 
 def _ask(question: str) -> bool:

@@ -230,8 +230,9 @@ def rpc_servers(port: int | None = None, found: list[Server] | None = None) -> l
 
 def moved(server: Server, record: BackendRecord) -> str | None:
     """How the host backend changed under a server started against an earlier instance of it, when
-    restarting its container cannot reconnect it (its `--rpc` address is fixed at create): the
-    backend now listens on another port, or on a Unix socket. None when only the instance changed."""
+    restarting its container cannot reconnect it (its `--rpc` address is fixed at create, so a
+    restart makes it again): the backend now listens on another port, or on a Unix socket. None
+    when only the instance changed."""
     old = server.rpc_target.rsplit(":", 1)[-1]
     if record.listen == "unix":
         return f"the backend moved from tcp port {old} to a Unix socket"
@@ -441,7 +442,7 @@ def server_lines(found: list[Server], record: BackendRecord) -> list[str]:
             lines.append(f"{server.name}: {down}; restart it after the backend")
         elif _restarted_under(server.rpc_instance, server.started, record):
             where = moved(server, record)
-            fix = f"{where}: stop it and serve it again" if where else "restart this server"
+            fix = f"{where}: restart this server (in a new container)" if where else "restart this server"
             lines.append(f"{server.name}: {'' if server.running else exited + ': '}rpc backend restarted: {fix}")
         else:
             lines.append(f"{server.name}: {'serving (rpc-tcp)' if server.running else exited}")
@@ -488,7 +489,7 @@ def _stale_why(server: Server, record: BackendRecord) -> str:
     exited = " (it exited)" if server.state == "exited" else ""
     why = f"started against the previous backend, its connection is dead{exited}"
     where = moved(server, record)
-    return f"{why}; {where}: stop it and serve it again" if where else f"{why}: restart it"
+    return f"{why}; {where}: restart it (in a new container)" if where else f"{why}: restart it"
 
 
 def _refuse_if_used(action: str) -> None:

@@ -563,17 +563,19 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
     a server whose RPC backend was restarted under it connects to the new one: llama-server does not
     reconnect by itself. An APIR server whose apir-host died gets a new host on the same socket
     first. Its instance label stays; it counts as connected because it started after
-    the backend did (`rpc_server.backend_problem`).
+    the backend did (`rpc_server.backend_problem`). When the host backend came back on another port
+    or on a Unix socket, the old address is in the container's command: it is made again with the
+    new wiring (`_rewire`).
     """
     say = progress or (lambda _step: None)
     server = find_server(name, all=True)
     if not server.managed:
         raise ApirctlError(f"{name} was not started by apirctl", hint="restart it where it was started")
+    limit = timeout if timeout is not None else config.settings().health_timeout
     record = rpc_server.read_record() if server.transport == "rpc" and server.rpc_link == "tcp" else None
-    where = rpc_server.moved(server, record) if record is not None and server.rpc_instance else None
-    if where and record is not None and server.rpc_instance != record.instance:
-        raise ApirctlError(f"{name}: {where}, and its container dials the old address",
-                           hint=f"`apirctl stop {name}`, then serve it again")
+    if record is not None and server.rpc_instance and server.rpc_instance != record.instance \
+            and rpc_server.moved(server, record):
+        return _rewire(server, limit, say)
     api = containers.connect()
     say(f"stopping {server.name}")
     api.stop(server.id, timeout=STOP_TIMEOUT)
@@ -583,6 +585,83 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
     say(f"starting {server.name}")
     api.start(server.id, server.name)
     say(f"waiting for {server.name} to load its model")
-    limit = timeout if timeout is not None else config.settings().health_timeout
     _wait_ready(api, server.id, server.base, limit)
     return find_server(server.name)
+
+
+def _rewire(server: Server, timeout: float, say: ProgressFn) -> Server:
+    """Make a server's container again against the host backend as it is now (another port, or a
+    Unix socket and a backend of its own): the same image, command, model mounts, port, labels and
+    restart policy, with the rpc wiring of today. The old container's link is dead already."""
+    api = containers.connect()
+    attrs = api.inspect(server.id)
+    command = list((attrs.get("Config") or {}).get("Cmd") or [])
+    ngl = command[command.index("--n-gpu-layers") + 1] if "--n-gpu-layers" in command[:-1] else "999"
+    plan = transport.host_rpc_plan(rpc_server.status(), int(ngl) if ngl.lstrip("-").isdigit() else 999)
+    instance = None
+    try:
+        if plan.needs_backend:
+            say(f"starting a backend for {server.name}")
+            instance = rpc_server.start_own_backend(server.name)
+            plan = transport.with_backend(plan, instance)
+        spec = _respec(attrs, plan)
+        say(f"making {server.name} again against the backend as it is now")
+        api.remove(server.id, timeout=STOP_TIMEOUT)
+        new_id = ""
+        try:
+            with _uninterrupted():
+                new_id = api.create(spec)
+            if instance is not None:
+                backends.attach(instance, new_id)
+            api.start(new_id, server.name)
+            say(f"waiting for {server.name} to load its model")
+            _wait_ready(api, new_id, server.base, timeout)
+            if instance is not None:
+                backends.confirm_link(instance)
+        except BaseException:
+            with _uninterrupted():
+                if new_id:
+                    _remove_failed(api, new_id)
+            raise
+    except BaseException:
+        with _uninterrupted():
+            if instance is not None:
+                backends.stop(instance)
+        raise
+    return find_server(server.name)
+
+
+def _respec(attrs: dict[str, Any], plan: Plan) -> ContainerSpec:
+    """The spec of a server's container from its inspect data, with its rpc wiring (`--rpc ADDRESS
+    --n-gpu-layers N`, its network, its backend's mount and labels) replaced by `plan`'s."""
+    conf = attrs.get("Config") or {}
+    host_conf = attrs.get("HostConfig") or {}
+    command = list(conf.get("Cmd") or [])
+    at = command.index("--rpc") if "--rpc" in command[:-1] else len(command)
+    rest = command[at + 2:]
+    if rest[:1] == ["--n-gpu-layers"]:
+        rest = rest[2:]
+    labels = {k: v for k, v in (conf.get("Labels") or {}).items() if k not in (L_RPC_INSTANCE, L_RPC_TARGET)}
+    labels.update({L_RPC_LINK: plan.rpc_link, L_TRACKING: secrets.token_hex(8)})
+    if plan.rpc_instance:
+        labels[L_RPC_INSTANCE] = plan.rpc_instance
+    if _target(plan):
+        labels[L_RPC_TARGET] = _target(plan)
+    ports = {int(key.split("/")[0]): (str(bound[0].get("HostIp") or ""), int(bound[0]["HostPort"]))
+             for key, bound in (host_conf.get("PortBindings") or {}).items() if bound}
+    policy = host_conf.get("RestartPolicy") or {}
+    restart = str(policy.get("Name") or "") or None
+    if restart == "on-failure" and policy.get("MaximumRetryCount"):
+        restart = f"on-failure:{policy['MaximumRetryCount']}"
+    image_ref = str(attrs.get("ImageName") or conf.get("Image") or "")
+    spec = ContainerSpec(
+        image=image_ref, name=str(attrs.get("Name") or "").lstrip("/") or None, command=command[:at],
+        entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"], labels=labels,
+        mounts=[BindMount(source=m["Source"], target=m["Destination"], read_only=not m.get("RW", False))
+                for m in attrs.get("Mounts") or []
+                if m.get("Type") == "bind" and m.get("Destination") != backends.CONTAINER_DIR],
+        ports=ports, restart_policy=restart if restart not in ("", "no") else None,
+    )
+    spec = plan.apply(spec)
+    spec.command += rest
+    return spec

@@ -174,37 +174,45 @@ def test_a_backend_back_on_another_port_or_a_socket_leaves_its_servers_stale(bac
                                                                              served: list[str]) -> None:
     """A server's container dials the backend's old port: a backend back on another port or on a Unix
     socket is not its backend either. ps, machine status and machine restart say so, and
-    --restart-servers refuses it in one line (a restart would dial the old port again)."""
+    --restart-servers makes its container again against the backend as it is (a restart of the old
+    one would dial the old port): same name, same URL, and it answers."""
     from apirctl.remoting import rpc_server
 
     name = f"rel-rpc-{uuid.uuid4().hex[:6]}"
     served.append(name)
-    sweep("serve", str(demo_model), "--transport", "rpc", "--port", str(free_port()), "--name", name,
-          "--json", env=LINUX, timeout=300).succeeds()
-    old = rpc_server.read_record()
-    assert old is not None
-    os.kill(old.pid, signal.SIGKILL)
-    wait_for("the backend to die", lambda: not rpc_server.is_backend_process(old.pid), 10)
-
+    out = sweep("serve", str(demo_model), "--transport", "rpc", "--port", str(free_port()), "--name", name,
+                "--json", env=LINUX, timeout=300).succeeds()
+    url = json.loads(out.stdout)["url"]
     other = free_port()
-    for where, says in ((["--port", str(other)], f"the backend moved from tcp port {backend} to {other}"),
-                        (["--listen", "unix", "--json"],
-                         f"the backend moved from tcp port {backend} to a Unix socket")):
+    for where, was, says in ((["--port", str(other)], backend, f"to {other}"),
+                             (["--listen", "unix", "--json"], other, "to a Unix socket")):
+        old = rpc_server.read_record()
+        assert old is not None
+        os.kill(old.pid, signal.SIGKILL)  # (a running backend with users refuses a restart)
+        wait_for("the backend to die", lambda pid=old.pid: not rpc_server.is_backend_process(pid), 10)
+        moved = f"the backend moved from tcp port {was} {says}"
         plain = machine("restart", "--remoting", *where, "--no-cache").succeeds()
         if "--json" in where:  # no question, the same lines and hint on stderr; stdout is the state alone
             assert json.loads(plain.stdout)["details"]["restart"] == name
-        assert f"{name}: started against the previous backend, its connection is dead; {says}: stop it and " \
-               "serve it again" in plain.stderr
+        assert f"{name}: started against the previous backend, its connection is dead; {moved}: restart it " \
+               "(in a new container)" in plain.stderr
         assert "--restart-servers" in plain.stderr and "Traceback" not in plain.stderr
         assert ps_row(name)["health"] == "rpc backend restarted: restart this server"
         status = json.loads(machine("status", "--json").stdout)
         assert status["details"]["restart"] == name
-        assert f"{name}: rpc backend restarted: {says}: stop it and serve it again" in status["details"]["servers"]
+        assert f"{name}: rpc backend restarted: {moved}: restart this server (in a new container)" in \
+            status["details"]["servers"]
 
-    refused = machine("restart", "--remoting", "--listen", "unix", "--no-cache", "--restart-servers")
-    refused.fails_cleanly(code=1, says=f"could not restart {name} (")
-    assert "a Unix socket: stop it and serve it again" in refused.stderr
-    assert ps_row(name)["state"] == "running"  # not touched: the user decides
+        again = [w for w in where if w != "--json"]
+        machine("restart", "--remoting", *again, "--no-cache", "--restart-servers").succeeds()
+        assert chat(url).status_code == 200
+        row = ps_row(name)
+        assert row["health"] == "ok" and row["url"] == url, row
+        if "unix" in where:  # a backend of its own now, over the socket or shared memory
+            assert row["rpc_link"] in ("unix", "shm") and row["transport"] == "rpc", row
+        else:
+            assert row["rpc_link"] == "tcp" and row["rpc_target"].endswith(f":{other}"), row
+        assert not json.loads(machine("status", "--json").stdout)["details"].get("restart")
 
 
 def ps_row_all(name: str) -> dict[str, Any]:

@@ -191,7 +191,7 @@ def test_only_servers_of_this_backend_count_as_its_users(monkeypatch: pytest.Mon
 def test_a_backend_restarted_elsewhere_leaves_its_servers_stale(monkeypatch: pytest.MonkeyPatch, listen: str,
                                                                 port: int, says: str | None) -> None:
     """Servers labelled with an earlier instance are stale wherever the backend came back; those
-    whose container dials a port the backend left need a new container, not a restart."""
+    whose container dials a port the backend left are restarted in a new container."""
     from apirctl.podman import servers as podman_servers
 
     record = rpc_server.BackendRecord(pid=os.getpid(), listen=listen, port=port, instance="new", log="x",
@@ -215,9 +215,9 @@ def test_a_backend_restarted_elsewhere_leaves_its_servers_stale(monkeypatch: pyt
     assert [s.name for s in stale] == ["stale", "dead"]
     for s in stale:
         assert s.why.startswith("started against the previous backend, its connection is dead")
-        assert s.why.endswith(f"{says}: stop it and serve it again" if says else ": restart it"), s.why
+        assert s.why.endswith(f"{says}: restart it (in a new container)" if says else ": restart it"), s.why
     lines = rpc_server.server_lines(found, record)
-    fix = f"{says}: stop it and serve it again" if says else "restart this server"
+    fix = f"{says}: restart this server (in a new container)" if says else "restart this server"
     assert f"stale: rpc backend restarted: {fix}" in lines
     assert f"dead: exited (code 134): rpc backend restarted: {fix}" in lines
     assert "current: serving (rpc-tcp)" in lines and not [line for line in lines if "explicit" in line]
