@@ -109,7 +109,36 @@ def read_record() -> BackendRecord | None:
         return None
 
 
+def instances_file() -> Path:
+    """The instance ids of the host backends this home started, newest last (kept after `machine
+    stop`): a server labelled with one of them was started here, against an earlier one."""
+    return dirs().state / "rpc-backend-instances"
+
+
+def _earlier_list() -> list[str]:
+    try:
+        return instances_file().read_text().split()
+    except OSError:
+        return []
+
+
+def _earlier_instances() -> set[str]:
+    return set(_earlier_list())
+
+
+def remember_instance(instance: str, keep: int = 64) -> None:
+    """Add `instance` to this home's list (the last `keep`)."""
+    path = instances_file()
+    ensure(path.parent)
+    known = [i for i in _earlier_list() if i != instance][-(keep - 1):] + [instance]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(known) + "\n")
+    tmp.replace(path)
+
+
 def _write_record(record: BackendRecord) -> None:
+    if record.instance:
+        remember_instance(record.instance)
     path = record_file()
     ensure(path.parent)
     tmp = path.with_suffix(".tmp")
@@ -206,26 +235,41 @@ def _listing() -> list[Server] | None:
 
 
 def _on_host_backend(server: Server) -> bool:
-    """Started against an instance of apirctl's host TCP backend (its label names which), on
-    whatever port or socket that backend listens now."""
+    """Started against an instance of this home's host TCP backend (its label names which), on
+    whatever port or socket that backend listens now; not another home's (homes may share a Podman)."""
     return (server.transport == "rpc" and server.rpc_link == "tcp" and not server.rpc_backends
-            and bool(server.rpc_instance))
+            and bool(server.rpc_instance) and server.rpc_instance in _earlier_instances())
 
 
 def rpc_servers(port: int | None = None, found: list[Server] | None = None) -> list[Server]:
     """Running inference servers that use this host's remoting: those with a backend of their own
     (`apirctl.remoting.backends`, or an apir-host: `apirctl.remoting.apir_hosts`), those started
-    against any instance of the host TCP backend (their label says so, whatever port it had), and
-    unlabelled ones on `port` when given.
+    against any instance of this home's host TCP backend (their label says so, whatever port it
+    had), and unlabelled ones on `port` when given.
 
-    Servers of other backends (`--rpc-backend`, or an unlabelled one on another port) are not its
-    users. Empty when Podman cannot be asked.
+    Servers of other backends (`--rpc-backend`, another home's, or an unlabelled one on another
+    port) are not its users. Empty when Podman cannot be asked.
     """
     found = _listing() if found is None else found
-    return [s for s in found or [] if s.state == "running" and not s.rpc_backends
-            and ((s.transport == "virtgpu" and bool(s.apir_host))
-                 or (s.transport == "rpc" and (s.rpc_link in ("unix", "shm") or _on_host_backend(s) or port is None
-                                               or not s.rpc_target or s.rpc_target.rsplit(":", 1)[-1] == str(port))))]
+    return [s for s in found or [] if s.state == "running" and not s.rpc_backends and _uses_remoting(s, port)]
+
+
+def _own_apir_host(server: Server) -> bool:
+    """A Linux APIR server with an apir-host this home knows (another home's, on a shared Podman,
+    is not ours to count, list or restart)."""
+    return bool(server.apir_host) and apir_hosts.get(server.apir_host) is not None
+
+
+def _uses_remoting(server: Server, port: int | None) -> bool:
+    if server.transport == "virtgpu":
+        return _own_apir_host(server)
+    if server.transport != "rpc":
+        return False
+    if server.rpc_link in ("unix", "shm"):
+        return True
+    if server.rpc_instance:  # labelled: an instance of this home's backend, or another home's
+        return _on_host_backend(server)
+    return port is None or not server.rpc_target or server.rpc_target.rsplit(":", 1)[-1] == str(port)
 
 
 def moved(server: Server, record: BackendRecord) -> str | None:
@@ -264,9 +308,10 @@ def backend_problem(instance: str = "", link: str = "", started: float | None = 
 
 
 def _restarted_under(instance: str, started: float | None, record: BackendRecord) -> bool:
-    """A server labelled with another instance of the TCP backend, started before this one (Podman
-    gives whole seconds: a container started in the backend's own second counts as after it)."""
-    return bool(instance and record.instance and instance != record.instance
+    """A server labelled with an earlier instance of this home's TCP backend (not another home's:
+    homes may share one Podman), started before this one (Podman gives whole seconds: a container
+    started in the backend's own second counts as after it)."""
+    return bool(instance and record.instance and instance != record.instance and instance in _earlier_instances()
                 and (started is None or started < int(record.started_at)))
 
 
@@ -423,7 +468,7 @@ def server_lines(found: list[Server], record: BackendRecord) -> list[str]:
     alive = is_backend_process(record.pid)
     lines = []
     for server in found:
-        if server.transport == "virtgpu" and server.apir_host:  # Linux APIR: an apir-host of its own
+        if server.transport == "virtgpu" and _own_apir_host(server):  # Linux APIR: an apir-host of its own
             exited = f"exited (code {server.exit_code})" if server.exit_code is not None else server.state
             said = "serving (virtgpu-socket, an apir-host of its own)" if server.running else exited
             problem = apir_hosts.problem(server.apir_host)
@@ -472,7 +517,7 @@ def stale_servers() -> list[Server]:
         return []
     orphans = []
     for server in found:
-        problem = apir_hosts.problem(server.apir_host) if server.managed and server.apir_host else None
+        problem = apir_hosts.problem(server.apir_host) if server.managed and _own_apir_host(server) else None
         if problem and server.state in ("running", "exited"):
             server.why = f"{problem}{' (it exited)' if server.state == 'exited' else ''}: restart it"
             orphans.append(server)

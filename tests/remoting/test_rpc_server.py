@@ -208,9 +208,12 @@ def test_a_backend_restarted_elsewhere_leaves_its_servers_stale(monkeypatch: pyt
              server("current", rpc_instance="new", rpc_target=f"10.0.2.2:{port}"),
              server("explicit", rpc_backends=["127.0.0.1:50052"], rpc_instance=""),
              server("unlabelled", rpc_instance="")]
+    found.append(server("other-home", rpc_instance="elsewhere"))  # another home's backend, same Podman
     monkeypatch.setattr(podman_servers, "list_servers", lambda *_a, **_k: found)
     monkeypatch.setattr(rpc_server, "read_record", lambda: record)
     monkeypatch.setattr(rpc_server, "is_backend_process", lambda pid: pid == os.getpid())
+    rpc_server.remember_instance("old")
+    rpc_server.remember_instance("new")
     stale = rpc_server.stale_servers()
     assert [s.name for s in stale] == ["stale", "dead"]
     for s in stale:
