@@ -310,3 +310,35 @@ def test_the_platform_is_decided_in_host() -> None:
         if found:
             readers[module] = found
     assert readers == {}
+
+
+def test_podman_is_reached_through_one_package() -> None:
+    """podman-py and the podman command line for containers are used in `podman/` only: everything else
+    goes through its seam (`podman.containers.connect()`), where Podman's errors are translated once."""
+    users = {}
+    for module, path in MODULES.items():
+        if module.startswith("apirctl.podman"):
+            continue
+        tree = ast.parse(path.read_text())
+        found = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+                 and any(name == "podman" or name.startswith("podman.") for name in (
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]))
+                 and not (isinstance(node, ast.ImportFrom) and node.level)]
+        found += [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Call)
+                  and ast.unparse(node.func).endswith(("podman_cli", "engine.client"))]
+        if found:
+            users[module] = found
+    assert users == {}
+
+
+#: Test folders that are not packages, and why.
+NOT_PACKAGES = {"support/fakes": "executables put on PATH in place of macOS tools, never imported as a package"}
+
+
+def test_every_test_folder_is_a_package() -> None:
+    tests = Path(__file__).resolve().parent
+    folders = {path.parent for path in tests.rglob("*.py") if "__pycache__" not in path.parts}
+    missing = sorted(str(folder.relative_to(tests)) for folder in folders
+                     if not (folder / "__init__.py").exists() and str(folder.relative_to(tests)) not in NOT_PACKAGES)
+    assert missing == []
+    assert not (tests / "foundation").exists()  # dissolved into the domains (issue 14)
