@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from apirctl import models
-from tests.support.model_sources import Registry, store_files, write_bert_gguf, write_gguf
+from tests.support.model_sources import Registry, ollama_store, store_files, write_bert_gguf, write_gguf
 
 PARAMS = {"temperature": 0.2, "stop": ["<|end|>"], "num_ctx": 4096}
 
@@ -32,26 +32,6 @@ def ok_json(*args: str, env: dict[str, str] | None = None) -> object:
     done = apirctl(*args, "--json", env=env)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
-
-
-def ollama_store(root: Path, host: str, namespace: str, name: str, tag: str,
-                 layers: dict[str, bytes]) -> dict[str, Path]:
-    """An Ollama store entry: each layer a blob named by its digest, and the tag's manifest."""
-    blobs = root / "blobs"
-    blobs.mkdir(parents=True, exist_ok=True)
-    paths, entries = {}, []
-    for kind, data in layers.items():
-        digest = hashlib.sha256(data).hexdigest()
-        paths[kind] = blobs / f"sha256-{digest}"
-        paths[kind].write_bytes(data)
-        entries.append({"mediaType": f"application/vnd.ollama.image.{kind}", "digest": f"sha256:{digest}",
-                        "size": len(data)})
-    manifest = root / "manifests" / host / namespace / name / tag
-    manifest.parent.mkdir(parents=True, exist_ok=True)
-    config = {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": "sha256:" + "3" * 64,
-              "size": 2}
-    manifest.write_text(json.dumps({"schemaVersion": 2, "config": config, "layers": entries}))
-    return paths
 
 
 def test_ollama_store_is_listed_and_used_in_place(tmp_path: Path, gguf_factory: Callable[..., bytes]) -> None:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import shutil
 import socket
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
@@ -121,6 +123,41 @@ def write_bert_gguf(path: Path, *, reranking: bool = False, embd: int = 32, laye
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def ollama_store(root: Path, host: str, namespace: str, name: str, tag: str,
+                 layers: dict[str, bytes | Path]) -> dict[str, Path]:
+    """An Ollama store entry: each layer a blob named by its digest, and the tag's manifest. A layer given
+    as a file is linked into the store (copied where a link cannot be made), not read into memory."""
+    blobs = root / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    paths, entries = {}, []
+    for kind, data in layers.items():
+        if isinstance(data, Path):
+            hasher = hashlib.sha256()
+            with data.open("rb") as source:
+                while block := source.read(1 << 20):
+                    hasher.update(block)
+            digest = hasher.hexdigest()
+            size = data.stat().st_size
+        else:
+            digest, size = sha(data), len(data)
+        paths[kind] = blobs / f"sha256-{digest}"
+        if isinstance(data, Path):
+            try:
+                os.link(data, paths[kind])
+            except OSError:
+                shutil.copyfile(data, paths[kind])
+        else:
+            paths[kind].write_bytes(data)
+        entries.append({"mediaType": f"application/vnd.ollama.image.{kind}", "digest": f"sha256:{digest}",
+                        "size": size})
+    manifest = root / "manifests" / host / namespace / name / tag
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    config = {"mediaType": "application/vnd.docker.container.image.v1+json", "digest": "sha256:" + "3" * 64,
+              "size": 2}
+    manifest.write_text(json.dumps({"schemaVersion": 2, "config": config, "layers": entries}))
+    return paths
 
 
 @dataclass
