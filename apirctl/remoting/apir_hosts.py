@@ -375,6 +375,10 @@ def problem(host_id: str) -> str | None:
     if alive(host):
         return None
     how = ending(host)
+    deadline = time.monotonic() + 1.0
+    while how is None and host.watcher and is_backend_process(host.watcher, "sh") and time.monotonic() < deadline:
+        time.sleep(0.02)  # the host has just died: its watcher is writing how
+        how = ending(host)
     return f"apir host down: {how}" if how else f"apir host down (pid {host.pid} is gone; see {host.log})"
 
 
