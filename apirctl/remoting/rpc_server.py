@@ -416,9 +416,11 @@ def status(name: str | None = None) -> MachineStatus:
     found = _listing() if record is not None or backends.instances() or apir_hosts.hosts() else []
     own = own_backends(found) or None
     apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found) or None}
-    if record is None:
-        return _st(MachineState.NOT_RUNNING, "the host RPC backend is not running", RESTART_HINT, backends=own,
-                   **apir)
+    if record is None:  # APIR servers do not need it: each has its apir-host (say so, they are not in trouble)
+        apir_serving = ", ".join(s.name for s in found or [] if s.running and s.transport == "virtgpu" and s.apir_host)
+        also = f" (virtgpu servers run on apir-hosts of their own: {apir_serving})" if apir_serving else ""
+        return _st(MachineState.NOT_RUNNING, f"the host RPC backend is not running{also}", RESTART_HINT,
+                   backends=own, **apir)
     common = {"pid": record.pid, "listen": record.listen, **_where(record), "endpoint": record.endpoint,
               "instance": record.instance or None, "log": record.log, "backends": own, **apir}
     common["servers"] = server_lines(found or [], record) or None
