@@ -139,6 +139,7 @@ def _error_message(response: httpx.Response) -> str:
 
 
 NOT_A_CHAT_MODEL = "the server's model does not chat: it is an embedding or reranking model"
+NO_VISION = "the server's model takes no images: it was started without a vision projector"
 
 
 def image_part(path: str | Path) -> dict[str, Any]:
@@ -176,6 +177,9 @@ class ServerError(ApirctlError):
             hint = f"is {base_url} an OpenAI-compatible base URL (usually ending in /v1)?"
         if "logits computation" in message or "does not support chat" in message:  # llama-server's words
             message, hint = NOT_A_CHAT_MODEL, f"ask {base_url}/embeddings or {base_url}/rerank instead"
+        elif "image input is not supported" in message:  # llama-server without a projector (--mmproj)
+            message, hint = NO_VISION, ("serve a vision model with its projector: ollama:// and hf:// vision models "
+                                        "bring one (apirctl inspect MODEL shows it)")
         super().__init__(f"server error ({where}): {message}", hint=hint)
         self.status = status
 

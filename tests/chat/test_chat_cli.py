@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import socket
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.support.chat_helpers import LlamaServer, free_port, run_chat
+from tests.support.vision import write_png
 
 pytestmark = pytest.mark.integration
 
@@ -195,3 +197,15 @@ def test_context_check_against_a_server_that_does_not_report_it() -> None:
         server.stop()
     assert result.returncode == 0 and result.stdout == "An answer.\n", result.stderr
     assert "does not report its context size; --ctx-size 8192 is not checked" in result.stderr
+
+
+def test_an_image_to_a_server_without_a_projector_says_so(llama_server: LlamaServer, tmp_path: Path) -> None:
+    """llama-server's own words ("image input is not supported ... mmproj") become apirctl's."""
+    image = tmp_path / "a.png"
+    write_png(image)
+    result = run_chat("--url", llama_server.url, "describe it", "--image", str(image), "--max-tokens", "4")
+    _no_traceback(result.stderr)
+    assert result.returncode == 1
+    first, _, rest = result.stderr.partition("\n")
+    assert "takes no images" in first and "vision projector" in first, result.stderr
+    assert "ollama://" in rest
