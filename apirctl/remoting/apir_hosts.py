@@ -26,6 +26,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterable
@@ -55,21 +56,33 @@ READY_LINE = "apir-host: listening on"
 EXIT_MARK = "--- apirctl: apir-host"
 READY_TIMEOUT = 60.0
 
-# The watcher: runs the host, forwards SIGTERM/SIGINT to it, and logs how it ended.
+# The watcher: runs the host, forwards SIGTERM/SIGINT to it, and logs how it ended. With respawn
+# (a server with a Podman restart policy) it starts a host that died again at once, so the
+# container Podman restarts finds one; a host that exits 0 or is stopped is not started again, nor
+# one that died RESPAWN_LIMIT times.
 _WATCHER = r"""
-pidfile=$1; shift
-"$@" </dev/null &
-child=$!
-echo "$child" > "$pidfile"
-trap 'kill -TERM "$child" 2>/dev/null' TERM INT
-wait "$child"; rc=$?
-while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
-if [ "$rc" -gt 128 ]; then
-  echo "--- apirctl: apir-host (pid $child) was killed by signal $((rc - 128)) (SIG$(kill -l $((rc - 128))))"
-else
-  echo "--- apirctl: apir-host (pid $child) exited with status $rc"
-fi
+pidfile=$1; respawn=$2; limit=$3; shift 3
+stopping=; runs=0
+trap 'stopping=1; kill -TERM "$child" 2>/dev/null' TERM INT
+while :; do
+  "$@" </dev/null &
+  child=$!
+  echo "$child" > "$pidfile"
+  wait "$child"; rc=$?
+  while kill -0 "$child" 2>/dev/null; do wait "$child"; rc=$?; done
+  if [ "$rc" -gt 128 ]; then
+    echo "--- apirctl: apir-host (pid $child) was killed by signal $((rc - 128)) (SIG$(kill -l $((rc - 128))))"
+  else
+    echo "--- apirctl: apir-host (pid $child) exited with status $rc"
+  fi
+  runs=$((runs + 1))
+  if [ "$respawn" != 1 ] || [ -n "$stopping" ] || [ "$rc" -eq 0 ] || [ "$runs" -ge "$limit" ]; then break; fi
+  sleep 0.2
+  [ -n "$stopping" ] && break
+  echo "--- apirctl: starting apir-host again (restart $runs of $((limit - 1)), the server's restart policy)"
+done
 """
+RESPAWN_LIMIT = 10
 
 _children: list[subprocess.Popen[bytes]] = []
 
@@ -98,6 +111,7 @@ class Host(BaseModel):
     backend_library: str = ""
     ggml_library: str = ""
     reg: str = ""
+    respawn: bool = False  # its server has a restart policy: the watcher starts a host that died again
 
     @property
     def socket(self) -> Path:
@@ -146,8 +160,17 @@ def hosts() -> list[Host]:
     return sorted(found, key=lambda h: h.started_at)
 
 
+def current_pid(host: Host) -> int:
+    """The host's pid now: the watcher writes each run's (a respawned host has a new one)."""
+    try:
+        return int(_pid_file(host.id).read_text().strip())
+    except (OSError, ValueError):
+        return host.pid
+
+
 def alive(host: Host) -> bool:
-    return bool(host.pid) and is_backend_process(host.pid, BINARY)
+    pid = current_pid(host)
+    return bool(pid) and is_backend_process(pid, BINARY)
 
 
 # --- what a build offers ------------------------------------------------------------------------
@@ -185,8 +208,11 @@ def frontend_problem(build: Build | None) -> str | None:
 # --- starting and stopping ------------------------------------------------------------------------
 
 
-def start(build: Build, name: str, trace: bool = False) -> Host:
-    """Start an apir-host for the container (or bench run) `name` and wait until it listens."""
+def start(build: Build, name: str, trace: bool = False, respawn: bool = False) -> Host:
+    """Start an apir-host for the container (or bench run) `name` and wait until it listens.
+
+    `respawn` (a server with a Podman restart policy): a host that dies is started again, so that
+    the container Podman restarts after it finds one."""
     backend_library, ggml_library, reg = libraries(build)
     binary = build.binary(BINARY)
     base = private_dir(dirs().runtime)
@@ -201,7 +227,7 @@ def start(build: Build, name: str, trace: bool = False) -> Host:
     host = Host(id=host_id, directory=str(directory), log=str(dirs().logs / f"apir-host-{host_id}.log"),
                 trace=trace_file, started_at=time.time(), owner_pid=os.getpid(), owner_start=own[1] if own else "",
                 name=name, binary=str(binary), backend_library=str(backend_library), ggml_library=str(ggml_library),
-                reg=reg)
+                reg=reg, respawn=respawn)
     try:
         directory.mkdir(mode=0o700)
         _launch(host)
@@ -232,7 +258,8 @@ def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
         fh.flush()
         since = fh.tell()
         # restore_signals=False keeps SIGPIPE ignored: a container that vanishes costs a failed write only.
-        watcher = subprocess.Popen(["sh", "-c", _WATCHER, "apir-watch", str(pid_file), *command],
+        watcher = subprocess.Popen(["sh", "-c", _WATCHER, "apir-watch", str(pid_file), "1" if host.respawn else "0",
+                                    str(RESPAWN_LIMIT), *command],
                                    stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
                                    start_new_session=True, restore_signals=False)
     _children.append(watcher)
@@ -276,6 +303,7 @@ def revive(host_id: str) -> Host:
         return host
     if host.watcher:
         terminate(host.watcher, timeout=2.0, binary="sh")
+    _pid_file(host.id).unlink(missing_ok=True)
     directory = Path(host.directory)
     private_dir(directory.parent)
     with contextlib.suppress(FileExistsError):
@@ -308,8 +336,12 @@ def stop(host: Host | str) -> None:
     if found is None:
         return
     _reap()
-    if found.pid:
-        terminate(found.pid, binary=BINARY)
+    if found.watcher and is_backend_process(found.watcher, "sh"):  # first, so that it starts no new host
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(found.watcher, signal.SIGTERM)
+    pid = current_pid(found)
+    if pid:
+        terminate(pid, binary=BINARY)
     if found.watcher:
         terminate(found.watcher, timeout=2.0, binary="sh")
     _reap()
@@ -379,14 +411,16 @@ def problem(host_id: str) -> str | None:
     while how is None and host.watcher and is_backend_process(host.watcher, "sh") and time.monotonic() < deadline:
         time.sleep(0.02)  # the host has just died: its watcher is writing how
         how = ending(host)
-    return f"apir host down: {how}" if how else f"apir host down (pid {host.pid} is gone; see {host.log})"
+    return f"apir host down: {how}" if how else f"apir host down (pid {current_pid(host)} is gone; see {host.log})"
 
 
 def describe(host: Host, owner: str | None = None) -> str:
     """One line for `machine status`: the container, pid, socket, trace, and why it is down."""
-    state = "" if alive(host) else f" (down: {ending(host) or 'pid gone'})"
+    how = ending(host)  # of a host that runs: the one before it, which the watcher replaced
+    after = f" (started again after: {how})" if how else ""
+    state = after if alive(host) else f" (down: {how or 'pid gone'})"
     trace = f", trace {host.trace}" if host.trace else ""
-    return f"{owner or host.name or '?'}: pid {host.pid}, {host.socket}{trace}{state}"
+    return f"{owner or host.name or '?'}: pid {current_pid(host)}, {host.socket}{trace}{state}"
 
 
 # --- traces ------------------------------------------------------------------------------------------

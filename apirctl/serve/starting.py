@@ -316,7 +316,8 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
             plan = transport.with_backend(plan, instance)
         if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
             phase("apir host")
-            apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace)
+            apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace,
+                                    respawn=opts.restart not in (None, "no"))
             plan = transport.with_apir_host(plan, apir)
         server = _start_container(opts, plan, model, name, phase, progress, api, instance, apir)
     except BaseException:

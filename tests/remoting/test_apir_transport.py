@@ -130,6 +130,18 @@ def names(podman: str) -> Iterator[list[str]]:
             engine.client().containers.get(name).remove(force=True)
 
 
+def chat_or_explain(server: serve.Server) -> httpx.Response:
+    """A short chat; a server that does not answer fails the test with its state and both logs."""
+    try:
+        return httpx.post(f"{server.base}/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8})
+    except httpx.HTTPError as exc:
+        api = containers.connect()
+        host = host_of(server.id)
+        raise AssertionError(f"{server.name} does not answer ({exc}): {api.inspect(server.id)['State']}\n"
+                             f"{api.logs(server.id, tail=30)}\n{Path(host.log).read_text()}") from None
+
+
 def computes(trace_file: Path) -> int:
     """Graph computes the host has traced so far (it may be writing the last record)."""
     with trace_file.open("rb") as fh:
@@ -190,8 +202,7 @@ def test_apir_containers_generate_natives_tokens_and_survive_their_hosts_death(
     other = host_of(second.server.id)
     assert other.directory != host.directory and other.pid != host.pid and other.trace is None
     for started in (first, second):
-        reply = httpx.post(f"{started.server.base}/v1/chat/completions", timeout=120,
-                           json={"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 8})
+        reply = chat_or_explain(started.server)
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"].strip()
     ps = {r["name"]: r for r in json.loads(cli("ps", "--json").stdout)}
     assert all(ps[n]["transport"] == "virtgpu" and ps[n]["apir_host"] and ps[n]["health"] == "ok" for n in names)
@@ -237,3 +248,39 @@ def test_apir_containers_generate_natives_tokens_and_survive_their_hosts_death(
     assert gone(host) and Path(str(host.trace)).exists()
     assert cli("stop", names[1]).returncode == 0
     assert gone(other) and apir_hosts.hosts() == []
+
+
+def test_with_a_restart_policy_podman_and_the_watcher_bring_the_server_back(
+    apir_build: Any, llama_image: str, demo_model: Path, names: list[str]
+) -> None:
+    """`serve --restart on-failure`: the host killed mid-decode is started again by its watcher, and
+    the container Podman restarts after the frontend's abort connects to it; nobody runs a command."""
+    started = serve.start(serve.options(str(demo_model), transport="virtgpu", port=free_port(), name=names[0],
+                                        apir_trace=True, threads=2, restart="on-failure:5"))
+    server = started.server
+    host = host_of(server.id)
+    assert host.respawn
+    expected = greedy_tokens(server.base)
+    results: list[Any] = []
+    before = computes(Path(str(host.trace)))
+    thread = _decode_in_background(server.base, results)
+    wait_for("decoding to start", lambda: computes(Path(str(host.trace))) > before + 8, 60)
+    killed = apir_hosts.current_pid(host)
+    os.kill(killed, signal.SIGKILL)
+    thread.join(120)
+    assert results and not isinstance(results[0], httpx.Response), results  # that request died with the host
+
+    def back() -> bool:
+        state = containers.connect().inspect(server.id)["State"]
+        return bool(state.get("Status") == "running" and serve.health(server.base) == "ok"
+                    and apir_hosts.current_pid(host) != killed and apir_hosts.alive(host))
+
+    wait_for("Podman to restart the container against a new host", back, 120)
+    assert containers.connect().inspect(server.id)["RestartCount"] >= 1
+    assert greedy_tokens(server.base) == expected
+    line = next(line for line in rpc_server.status().details["apir_hosts"] if line.startswith(names[0]))
+    assert f"started again after: apir-host (pid {killed}) was killed by signal 9 (SIGKILL)" in line
+
+    # stopping it does not start the host again
+    assert serve.stop(names[0]) == [names[0]]
+    assert gone(host) and not apir_hosts.alive(host)
