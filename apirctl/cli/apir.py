@@ -258,6 +258,9 @@ def trace(
         except KeyboardInterrupt:
             if not follow:
                 raise
+    if json_out and follow:  # JSON lines to the end: the summary is the last one
+        print(json_lib.dumps({"summary": summary.as_dict()}), flush=True)
+        return
     if json_out:
         print_json({"file": str(path), **({} if summary_only else {"records": kept}), "summary": summary.as_dict()})
         return

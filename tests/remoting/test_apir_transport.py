@@ -80,11 +80,21 @@ def test_an_apir_host_is_private_says_why_it_died_and_comes_back_on_its_socket(a
                                f"socket.socket(socket.AF_UNIX).connect({str(host.socket)!r})")
             assert denied.stdout.strip() == "False" and "PermissionError" in denied.stderr, denied
 
-        # the frontend of the host build talks to it: llama-bench lists its device and runs on it
+        # the frontend of the host build talks to it (llama-bench lists its device), and `apir trace
+        # --follow` shows the calls as the host makes them, until Ctrl-C
+        follower = subprocess.Popen([sys.executable, "-m", "apirctl", "apir", "trace", "--server", "lifecycle",
+                                     "--follow", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         env = dict(os.environ, GGML_VIRTGPU_SOCKET=str(host.socket))
         listed = subprocess.run([str(apir_build.binary("llama-bench")), "--list-devices"], env=env,
                                 capture_output=True, text=True, timeout=120)
         assert "virtgpu" in listed.stdout + listed.stderr, listed
+        assert follower.stdout is not None
+        seen = [json.loads(follower.stdout.readline()) for _ in range(3)]
+        assert [r["function"] for r in seen] == ["handshake", "loadlibrary", seen[2]["function"]] and seen[2]["ok"]
+        follower.send_signal(signal.SIGINT)
+        rest, errors = follower.communicate(timeout=30)
+        assert follower.returncode == 0 and "Traceback" not in errors, errors
+        assert json.loads(rest.splitlines()[-1])["summary"]["records"] >= 3
 
         pid = host.pid
         os.kill(pid, signal.SIGKILL)
