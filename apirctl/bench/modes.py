@@ -330,7 +330,7 @@ def run_apir(ctx: Context) -> ModeOutcome:
         apir_hosts.stop(apir)
     if died:  # llama-bench may report results of a host that died after them: the run is not sound
         raise ApirctlError(f"the apir-host died during the run: {died}")
-    return ModeOutcome("apir", results, backend=_backend_label(results, "virtgpu"), client=client,
+    return ModeOutcome("apir", results, backend=_backend_label(results, "virtgpu", apir=True), client=client,
                        transport="virtgpu-socket")
 
 
@@ -342,9 +342,17 @@ RUNNERS: dict[str, Callable[[Context], ModeOutcome]] = {
 }
 
 
-def _backend_label(results: list[Result], fallback: str) -> str:
+#: llama-bench names every backend registered, and the ggml-virtgpu frontend registers itself also
+#: when no socket is given (then it has no device): only the apir mode runs on it.
+_IDLE_FRONTEND = "ggml-virtgpu"
+
+
+def _backend_label(results: list[Result], fallback: str, apir: bool = False) -> str:
     seen = [r.backends for r in results if r.backends]
-    return seen[0] if seen else fallback
+    if not seen:
+        return fallback
+    names = [n for n in seen[0].split(",") if apir or n != _IDLE_FRONTEND]
+    return ",".join(names) or fallback
 
 
 # --- the comparison -------------------------------------------------------------------------------

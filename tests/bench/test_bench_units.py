@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from apirctl.bench import load, modes, report, results
-from apirctl.bench.llamabench import Params, ProgressReader, arguments, label_for, parse, parse_mixed
+from apirctl.bench.llamabench import Params, ProgressReader, Result, arguments, label_for, parse, parse_mixed
 from apirctl.bench.modes import ModeOutcome, rows_from
 from apirctl.bench.results import LevelResult, Row, Run, SystemInfo
 from apirctl.errors import ApirctlError
@@ -260,3 +260,16 @@ def test_compare_serving_levels_knows_lower_is_better() -> None:
     assert changes["ttft_p50_ms"].change == pytest.approx(-0.5) and changes["ttft_p50_ms"].better is True
     assert changes["output_tps_total"].change == pytest.approx(1.0) and changes["output_tps_total"].better is True
     assert changes["errors"].change is None  # 0 -> 0: no relative change to speak of
+
+
+def test_the_idle_virtgpu_frontend_is_not_a_modes_backend() -> None:
+    """llama-bench lists the ggml-virtgpu frontend among its backends even with no socket (no device):
+    only the apir mode's rows name it."""
+    def ran(backends: str) -> list[Result]:
+        return [Result(test="tg4", tps_mean=1.0, tps_std=0.0, samples_ts=[1.0], backends=backends, n_prompt=0,
+                       n_gen=4, n_gpu_layers=99, n_threads=1, raw={})]
+
+    assert modes._backend_label(ran("ggml-virtgpu,RPC"), "rpc") == "RPC"
+    assert modes._backend_label(ran("ggml-virtgpu"), "cpu") == "cpu"
+    assert modes._backend_label(ran("CUDA"), "cuda") == "CUDA"
+    assert modes._backend_label(ran("ggml-virtgpu"), "virtgpu", apir=True) == "ggml-virtgpu"
