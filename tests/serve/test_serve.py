@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from apirctl.remoting import apir_hosts
 from tests.serve.conftest import apirctl, container_exists, free_port
 
 pytestmark = pytest.mark.integration
@@ -117,12 +118,16 @@ def test_missing_model_is_refused(podman: str, tmp_path: Path, name: str) -> Non
     assert "absent.gguf" in _one_line_error(done.stderr)
 
 
-def test_virtgpu_on_linux_says_what_to_use(podman: str, demo_model: Path, name: str, port: int) -> None:
-    done = apirctl("serve", str(demo_model), "--transport", "virtgpu", "--port", str(port), "--name", name)
-    assert done.returncode != 0
-    assert "macOS" in _one_line_error(done.stderr)
-    assert "--transport rpc" in done.stderr
+def test_virtgpu_on_linux_serves_through_an_apir_host_of_its_own(podman: str, llama_image: str, demo_model: Path,
+                                                                  name: str, port: int) -> None:
+    """APIR without a VM (tests/remoting/test_apir_transport.py has the rest); `stop` leaves nothing."""
+    done = apirctl("serve", str(demo_model), "--transport", "virtgpu", "--port", str(port), "--name", name, "--json")
+    assert done.returncode == 0, done.stderr
+    served = json.loads(done.stdout)
+    assert served["transport"] == "virtgpu" and served["apir_host"]
+    assert apirctl("stop", name).returncode == 0
     assert not container_exists(name)
+    assert apir_hosts.hosts() == [], "its host went with it"
 
 
 def test_keep_leaves_the_failed_container_for_inspection(
