@@ -34,11 +34,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.remoting.backends import failure_line, is_backend_process, proc_state, terminate
+from apirctl.remoting.records import RecordStore
 
 if TYPE_CHECKING:
     from apirctl.build.llamacpp import Build
@@ -127,37 +128,24 @@ def traces_dir() -> Path:
     return dirs().logs / "apir-traces"
 
 
-def _record_file(host_id: str) -> Path:
-    return records_dir() / f"{host_id}.json"
+_records: RecordStore[Host] = RecordStore(Host, records_dir)
 
 
 def _pid_file(host_id: str) -> Path:
-    return records_dir() / f"{host_id}.pid"
+    return _records.path(host_id, ".pid")
 
 
 def _write(host: Host) -> None:
-    path = _record_file(host.id)
-    ensure(path.parent)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(host.model_dump_json(indent=2))
-    tmp.replace(path)
+    _records.write(host.id, host)
 
 
 def get(host_id: str) -> Host | None:
-    if not host_id or not host_id.isalnum():
-        return None
-    try:
-        return Host.model_validate_json(_record_file(host_id).read_text())
-    except (OSError, ValidationError):
-        return None
+    return _records.get(host_id)
 
 
 def hosts() -> list[Host]:
     """Every recorded host, oldest first (stale ones too: `clean` removes those)."""
-    folder = records_dir()
-    found = [h for h in (get(p.stem) for p in sorted(folder.glob("*.json"))) if h is not None] if folder.exists() \
-        else []
-    return sorted(found, key=lambda h: h.started_at)
+    return sorted(_records.all(), key=lambda h: h.started_at)
 
 
 def current_pid(host: Host) -> int:
@@ -348,7 +336,7 @@ def stop(host: Host | str) -> None:
     directory = Path(found.directory)
     if directory.parent == dirs().runtime and directory.name == f"apir-{found.id}":
         shutil.rmtree(directory, ignore_errors=True)
-    _record_file(found.id).unlink(missing_ok=True)
+    _records.remove(found.id)
     _pid_file(found.id).unlink(missing_ok=True)
     Path(found.log).unlink(missing_ok=True)
 

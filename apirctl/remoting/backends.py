@@ -33,11 +33,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.remoting import rpc_client
+from apirctl.remoting.records import RecordStore
 
 if TYPE_CHECKING:
     from apirctl.build.llamacpp import Build
@@ -210,36 +211,20 @@ def records_dir() -> Path:
     return dirs().state / "rpc-backends"
 
 
-def _record_file(instance_id: str) -> Path:
-    return records_dir() / f"{instance_id}.json"
+_records: RecordStore[Instance] = RecordStore(Instance, records_dir)
 
 
 def _write(instance: Instance) -> None:
-    path = _record_file(instance.id)
-    ensure(path.parent)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(instance.model_dump_json(indent=2))
-    tmp.replace(path)
+    _records.write(instance.id, instance)
 
 
 def get(instance_id: str) -> Instance | None:
-    if not instance_id.isalnum():
-        return None
-    try:
-        return Instance.model_validate_json(_record_file(instance_id).read_text())
-    except (OSError, ValidationError):
-        return None
+    return _records.get(instance_id)
 
 
 def instances() -> list[Instance]:
     """Every recorded instance, oldest first (stale ones too: `clean` removes those)."""
-    folder = records_dir()
-    found = []
-    for path in sorted(folder.glob("*.json")) if folder.exists() else []:
-        instance = get(path.stem)
-        if instance is not None:
-            found.append(instance)
-    return sorted(found, key=lambda i: i.started_at)
+    return sorted(_records.all(), key=lambda i: i.started_at)
 
 
 def alive(instance: Instance) -> bool:
@@ -304,7 +289,7 @@ def stop(instance: Instance | str) -> None:
     directory = Path(found.directory)
     if directory.parent == dirs().runtime and directory.name == f"rpc-{found.id}":
         shutil.rmtree(directory, ignore_errors=True)
-    _record_file(found.id).unlink(missing_ok=True)
+    _records.remove(found.id)
     Path(found.log).unlink(missing_ok=True)
 
 
