@@ -4,8 +4,8 @@
 What it does, in priority order (each step is skipped if the deadline is near, and
 results.json is rewritten after every step, so a cut-off run still reports):
 
-1. build the pinned llama.cpp sdist with CUDA (llama-bench, ggml-rpc-server,
-   llama-quantize and the ggml-virtgpu backend library), while random-weight
+1. build the pinned llama.cpp sdist with CUDA (llama-bench, ggml-rpc-server, llama-quantize,
+   the ggml-virtgpu backend library, apir-host and the socket frontend), while random-weight
    Llama-3.2-1B/3B-shaped models are written (make_llama_gguf.py) and quantized to Q4_K_M;
 2. llama-bench pp512/tg128, N repetitions, for each model:
    native CUDA; the client (no GPU visible) against ggml-rpc-server on loopback;
@@ -20,7 +20,13 @@ results.json is rewritten after every step, so a cut-off run still reports):
    behaviour) and with one wait per token; TCP through slirp4netns; the Unix socket without and
    with shared memory, the client in a network namespace of its own with no route anywhere (the
    container boundary); and shared memory with the per-command waits again, to split the gain
-   between the wire and the synchronisation.
+   between the wire and the synchronisation;
+6. `apir` (issue 13): native, RPC over shared memory (the `transport` row) and APIR side by side: the
+   ggml-virtgpu frontend (socket transport, llama_patches/) in llama-bench, in a network namespace
+   with no route and no GPU visible, against an apir-host over the GPU library on a private socket;
+   the host's trace must show the row's graph computes, else the row fails. Then a traced tg32 run
+   through apir-host, decoded with apirctl.apir.trace: synchronous calls per token by function,
+   graph bytes re-sent per compute, host time per call; and the time lost per token for each row.
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -41,6 +47,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,6 +61,55 @@ TRACE_PORT = 50060
 NS = "apirc-bench"
 VETH_HOST, VETH_NS = "10.77.0.1", "10.77.0.2"
 SLIRP_HOST_LOOPBACK = "10.0.2.2"
+#: A network namespace with no route: only a socket file reaches out (the container boundary).
+ISOLATED = ["unshare", "--net"]
+NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+#: The frontend's device is named after the host's ("[virtgpu] CUDA0", "[virtgpu] CPU"); the backend
+#: is ggml-virtgpu, and `-dev ggml-virtgpu0` is refused by llama-bench.
+VIRTGPU_PREFIX = "[virtgpu]"
+
+
+def apir_per_token(records: list) -> dict:
+    """Per generated token, from the trace of one llama-bench tg run through apir-host: the forwarded
+    calls after the first timed token's graph_compute up to the last one, over the tokens they cover.
+
+    Every forwarded call of upstream's frontend waits for its reply, so calls per token are synchronous
+    round trips. The first compute is llama-bench's warm-up and the second the first timed token (the
+    KV clear between them is per run, not per token); model loading comes before both.
+    """
+    from apirctl.apir import protocol
+
+    forwarded = [r for r in records if r.cmd_type == protocol.CommandType.FORWARD]
+    computes = [i for i, r in enumerate(forwarded) if r.name == "backend_graph_compute"]
+    if len(computes) < 4:
+        raise RuntimeError(f"the trace has {len(computes)} graph computes: too few to count per token")
+    window = forwarded[computes[1] + 1:computes[-1] + 1]
+    tokens = len(computes) - 2
+    calls: dict[str, int] = {}
+    host_ns: dict[str, int] = {}
+    moved = {"backend_graph_compute": 0, "buffer_set_tensor": 0, "buffer_get_tensor": 0}
+    for r in window:
+        calls[r.name] = calls.get(r.name, 0) + 1
+        host_ns[r.name] = host_ns.get(r.name, 0) + r.duration_ns
+        if r.name in moved:
+            request = r.arguments()["request"]
+            moved[r.name] += int(request["graph_size" if r.name == "backend_graph_compute" else "size"])
+    first = forwarded[computes[1]]
+    wall_ns = window[-1].start_ns + window[-1].duration_ns - (first.start_ns + first.duration_ns)
+    order = sorted(calls, key=lambda name: (-calls[name], name))
+    return {
+        "tokens": tokens,
+        "sync_calls_per_token": round(len(window) / tokens, 3),
+        "calls_per_token": {name: round(calls[name] / tokens, 3) for name in order},
+        "host_us_per_call": {name: round(host_ns[name] / calls[name] / 1e3, 2) for name in order},
+        "host_us_per_token_by_call": {name: round(host_ns[name] / tokens / 1e3, 2) for name in order},
+        "graph_bytes_per_compute": moved["backend_graph_compute"] / tokens,
+        "set_tensor_bytes_per_token": moved["buffer_set_tensor"] / tokens,
+        "get_tensor_bytes_per_token": moved["buffer_get_tensor"] / tokens,
+        "host_us_per_token": round(sum(host_ns.values()) / tokens / 1e3, 2),
+        "wall_us_per_token": round(wall_ns / tokens / 1e3, 2),
+        "failed": sum(1 for r in window if not r.ok),
+    }
 
 
 class Runner:
@@ -137,15 +193,17 @@ class Runner:
         self.results["env"]["patches"] = (folder / "series").read_text().split()
 
     def start_build(self, src: Path) -> subprocess.Popen[bytes] | None:
-        if (self.bin / "llama-bench").exists() and (self.bin / "ggml-rpc-server").exists():
+        if all((self.bin / name).exists() for name in ("llama-bench", "ggml-rpc-server", "apir-host")):
             return None
         configure = [
             "cmake", "-S", str(src), "-B", str(self.build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
             "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={self.args.cuda_arch}", "-DGGML_CUDA_NCCL=OFF",
-            "-DGGML_RPC=ON", "-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ONLY", "-DLLAMA_OPENSSL=OFF",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DGGML_RPC=ON", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+            # APIR as apirctl's host build has it: the backend library, apir-host and the socket frontend
+            "-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ON", "-DGGML_VIRTGPU_TRANSPORT=socket",
         ]
-        targets = ["llama-bench", "ggml-rpc-server", "llama-quantize", "ggml-virtgpu-backend"]
+        targets = ["llama-bench", "ggml-rpc-server", "llama-quantize", "ggml-virtgpu-backend", "apir-host",
+                   "ggml-virtgpu"]
         script = (" ".join(configure) + f" && cmake --build {self.build} -j{os.cpu_count()} --target "
                   + " ".join(targets))
         fh = (self.logs / "build.log").open("a")
@@ -356,7 +414,7 @@ class Runner:
         no_gpu = {"CUDA_VISIBLE_DEVICES": ""}
         sync = {"GGML_RPC_SERVER_SYNC": "1"}
         unix = f"unix:{self.work / 'rpc.sock'}"
-        isolated = ["unshare", "--net"]  # a network namespace with no route: only the socket file reaches out
+        isolated = ISOLATED
         self.step(f"{shape}/native", self.bench, "native", shape, [])
         with self.server("127.0.0.1", env_extra=sync):
             self.step(f"{shape}/tcp-sync", self.bench, "tcp_loopback_sync_each", shape,
@@ -373,7 +431,7 @@ class Runner:
         with self.server(unix):
             self.step(f"{shape}/unix-socket", self.bench, "unix_socket_netns", shape, ["--rpc", unix],
                       no_gpu | {"GGML_RPC_NO_SHM": "1"}, isolated)
-            self.step(f"{shape}/shm", self.bench, "shm_netns", shape, ["--rpc", unix], no_gpu, isolated)
+            self.step(f"{shape}/shm", self.shm_row, shape, unix)
         with self.server(unix, env_extra=sync):
             self.step(f"{shape}/shm-sync", self.bench, "shm_netns_sync_each", shape, ["--rpc", unix], no_gpu,
                       isolated)
@@ -390,20 +448,197 @@ class Runner:
             self.results.setdefault("profile", {}).setdefault(shape, {})[f"tg{n}"] = [
                 line.split("RPC profile (server): ", 1)[1] for line in (self.logs / log_name).read_text().splitlines()
                 if "RPC profile (server): " in line]
+        summary = self.against_native(shape)
+        self.results.setdefault("transport", {})[shape] = summary
+        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in summary.items()}
+        self.log(f"{shape} transport: {json.dumps(ratios)}")
+
+    def against_native(self, shape: str, keys: tuple[str, ...] | None = None, pp_lost: bool = False) -> dict:
+        """Each row's t/s as a ratio to native's of the same run, and the time lost per generated token
+        (1/row - 1/native; with `pp_lost` per prompt token too)."""
         rows = self.results["bench"].get(shape, {})
         native = {self._test(r): r["avg_ts"] for r in rows.get("native", {}).get("rows", [])}
-        summary = {}
+        summary: dict[str, dict] = {}
         for key, entry in rows.items():
+            if keys is not None and key not in keys:
+                continue
             for r in entry["rows"]:
                 test = self._test(r)
                 base = native.get(test)
                 if base:
+                    lost = round(1e3 / r["avg_ts"] - 1e3 / base, 4) if test[:2] == "tg" or pp_lost else None
                     summary.setdefault(key, {})[test] = {
-                        "ts": round(r["avg_ts"], 1), "ratio": round(r["avg_ts"] / base, 3),
-                        "lost_ms_per_token": round(1e3 / r["avg_ts"] - 1e3 / base, 4) if test[:2] == "tg" else None}
-        self.results.setdefault("transport", {})[shape] = summary
-        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in summary.items()}
-        self.log(f"{shape} transport: {json.dumps(ratios)}")
+                        "ts": round(r["avg_ts"], 1), "ratio": round(r["avg_ts"] / base, 3), "lost_ms_per_token": lost}
+        return summary
+
+    def shm_row(self, shape: str, unix: str) -> None:
+        """llama-bench over the shared-memory transport, in a network namespace with no route (the
+        container boundary), its GPUs hidden; the caller runs the server on `unix`."""
+        self.bench("shm_netns", shape, ["--rpc", unix], NO_GPU, ISOLATED)
+
+    # -- 2c. APIR: the ggml-virtgpu frontend against apir-host ----------------------------
+    def apir(self, shape: str) -> None:
+        """native, RPC over shared memory and APIR side by side, then a traced APIR generation."""
+        done = self.results["bench"].get(shape, {})
+        if "native" not in done:  # --parts transport apir: one native row serves both
+            self.step(f"{shape}/native", self.bench, "native", shape, [])
+        if "shm_netns" not in done:
+            self.step(f"{shape}/shm", self.shm_served, shape)
+        self.step(f"{shape}/apir", self.apir_row, shape)
+        self.step(f"{shape}/apir-trace-tg32", self.apir_traced, shape, 32, need=30)
+        entry = self.results.setdefault("apir", {}).setdefault(shape, {})
+        entry["rows"] = self.against_native(shape, ("native", "shm_netns", "apir_netns"), pp_lost=True)
+        self.save()
+        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in entry["rows"].items()}
+        self.log(f"{shape} apir: {json.dumps(ratios)}")
+
+    def shm_served(self, shape: str) -> None:
+        unix = f"unix:{self.work / 'rpc.sock'}"
+        with self.server(unix):
+            self.shm_row(shape, unix)
+
+    def apir_row(self, shape: str) -> None:
+        """llama-bench through apir-host, checked against the host's trace: a row whose tokens did
+        not reach apir-host fails (and leaves no numbers behind)."""
+        trace = self.logs / f"apir-{shape}-bench.trace"
+        with self.apir_host(trace) as sock:
+            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}
+            self.bench("apir_netns", shape, ["-dev", self.virtgpu_device(env)], env, ISOLATED)
+        try:
+            checked = self.apir_check(shape, "apir_netns", trace, self.args.reps * 128)
+        except RuntimeError:
+            self.results["bench"][shape].pop("apir_netns", None)
+            raise
+        self.results.setdefault("apir", {}).setdefault(shape, {})["bench_trace"] = checked
+
+    def apir_traced(self, shape: str, n: int) -> None:
+        """One tg run through apir-host, decoded per generated token with apirctl's own trace reader."""
+        from apirctl.apir import trace as apir_trace
+
+        trace = self.logs / f"apir-{shape}-tg{n}.trace"
+        key = f"apir_traced_tg{n}"
+        with self.apir_host(trace, log_name="apir-host-traced.log") as sock:
+            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}
+            self.bench(key, shape, ["-dev", self.virtgpu_device(env)], env, ISOLATED, 1, ("0", str(n)))
+        self.apir_check(shape, key, trace, n)
+        per_token = apir_per_token(apir_trace.read(trace.read_bytes()))
+        per_token["traced"] = f"tg{n}"
+        per_token["tg_ts_traced"] = round(self.results["bench"][shape][key]["rows"][0]["avg_ts"], 2)
+        self.results.setdefault("apir", {}).setdefault(shape, {})["per_token"] = per_token
+        calls = ", ".join(f"{k} {v:g}" for k, v in per_token["calls_per_token"].items())
+        self.log(f"{shape} apir per token: {per_token['sync_calls_per_token']:g} synchronous calls ({calls}), "
+                 f"{per_token['graph_bytes_per_compute']:.0f} B of graph per compute, host "
+                 f"{per_token['host_us_per_token']:.1f} of {per_token['wall_us_per_token']:.1f} us")
+
+    def apir_check(self, shape: str, key: str, trace: Path, min_computes: int) -> dict:
+        """The row ran through apir-host: llama-bench used the virtgpu device, and the host's trace holds
+        at least one graph_compute per generated token, none failed."""
+        from apirctl.apir import trace as apir_trace
+
+        rows = self.results["bench"][shape][key]["rows"]
+        devices = {str(r.get("devices")) for r in rows}
+        if not all(d.startswith(VIRTGPU_PREFIX) for d in devices):
+            raise RuntimeError(f"{key}: llama-bench ran on {sorted(devices)}, not on the virtgpu device")
+        if not trace.exists():
+            raise RuntimeError(f"{key}: apir-host wrote no trace: the row did not run through it")
+        summary = apir_trace.summarize(apir_trace.read(trace.read_bytes()))
+        computes = summary.functions.get("backend_graph_compute")
+        done = computes.calls - computes.failed if computes else 0
+        if done < min_computes or summary.failed:
+            raise RuntimeError(f"{key}: apir-host's trace has {done} FORWARD graph_compute calls (at least "
+                               f"{min_computes} expected) and {summary.failed} failed commands: the row did not "
+                               f"run through apir-host")
+        return {"graph_computes": done, "commands": summary.records, "calls_per_compute": summary.calls_per_compute,
+                "host_s": round(summary.host_ns / 1e9, 3), "devices": sorted(devices)}
+
+    def virtgpu_device(self, env: dict[str, str]) -> str:
+        """The frontend's device as llama-bench lists it through this host ("[virtgpu] CUDA0")."""
+        proc = self.run([*ISOLATED, str(self.bin / "llama-bench"), "--list-devices"], "bench.log", env=env,
+                        timeout=120)
+        names = [line.strip().split(": ", 1)[0] for line in proc.stdout.splitlines()
+                 if line.strip().startswith(VIRTGPU_PREFIX)]
+        if len(names) != 1:
+            raise RuntimeError(f"llama-bench lists {len(names)} virtgpu devices through apir-host, not 1 "
+                               f"(see bench.log and apir-host.log)")
+        self.results["env"]["virtgpu_device"] = names[0]
+        return names[0]
+
+    @contextlib.contextmanager
+    def apir_host(self, trace: Path, log_name: str = "apir-host.log") -> Iterator[Path]:
+        """apir-host over the GPU library (the CPU one with --device CPU) on a socket in a private
+        directory (0700: apir-host refuses one that others can write), writing `trace`; yields the socket."""
+        if self.args.device.upper() == "CPU":
+            library, reg = "libggml-cpu.so", "ggml_backend_cpu_reg"
+        else:
+            library, reg = "libggml-cuda.so", "ggml_backend_cuda_reg"
+        private = Path(tempfile.mkdtemp(prefix="apirc-"))  # short: a socket path has 107 bytes at most
+        sock = private / "apir.sock"
+        trace.unlink(missing_ok=True)  # apir-host appends
+        args = [str(self.bin / "apir-host"), "--socket", str(sock), "--backend-library",
+                str(self.bin / "libggml-virtgpu-backend.so"), "--ggml-library", str(self.bin / library),
+                "--ggml-reg", reg, "--trace", str(trace)]
+        log = self.logs / log_name
+        with log.open("a") as fh:
+            fh.write(f"$ {' '.join(args)}\n")
+        start = log.stat().st_size
+        fh = log.open("a")
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT)
+        self.results["env"]["apir_host"] = {"ggml_library": library, "reg": reg,
+                                            "spin_us": os.environ.get("GGML_VIRTGPU_SPIN_US", "default")}
+        try:
+            ready = f"apir-host: listening on {sock}".encode()
+            until = time.monotonic() + 30
+            while ready not in log.read_bytes()[start:]:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"apir-host exited {proc.returncode} (see {log_name})")
+                if time.monotonic() > until:
+                    raise RuntimeError(f"apir-host did not listen within 30 s (see {log_name})")
+                time.sleep(0.05)
+            yield sock
+            if proc.poll() is not None:
+                raise RuntimeError(f"apir-host exited {proc.returncode} during the run (see {log_name})")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            fh.close()
+            shutil.rmtree(private, ignore_errors=True)
+
+    def apir_table(self) -> str:
+        """The apir part's rows and per-token trace as a small text table."""
+        lines = ["APIR: t/s, ratio to native, ms lost per token (1/row - 1/native)",
+                 f"{'shape':6} {'row':11} {'pp512':>26} {'tg128':>26}"]
+        labels = {"native": "native", "shm_netns": "rpc shm", "apir_netns": "apir"}
+        for shape, entry in self.results.get("apir", {}).items():
+            rows = entry.get("rows", {})
+            for key, label in labels.items():
+                cells = []
+                for test in ("pp512", "tg128"):
+                    v = rows.get(key, {}).get(test)
+                    if v is None:
+                        cells.append(f"{'-':>26}")
+                    elif key == "native":
+                        cells.append(f"{v['ts']:>26.1f}")
+                    else:
+                        cells.append(f"{v['ts']:>10.1f} {v['ratio']:5.2f} {v['lost_ms_per_token']:+7.3f} ms")
+                state = self.results["steps"].get(f"{shape}/{'shm' if key == 'shm_netns' else key.split('_')[0]}", "")
+                note = "" if key in rows or not state or state.startswith("ok") else f"  ({state[:60]})"
+                lines.append(f"{shape:6} {label:11} {' '.join(cells)}{note}")
+            pt = entry.get("per_token")
+            if pt:
+                calls = ", ".join(f"{k} {v:g}" for k, v in pt["calls_per_token"].items())
+                host = ", ".join(f"{k} {v:.1f}" for k, v in pt["host_us_per_call"].items())
+                lines += [f"{shape:6} per generated token ({pt['traced']} traced, {pt['tg_ts_traced']} t/s): "
+                          f"{pt['sync_calls_per_token']:g} synchronous calls: {calls}",
+                          f"{'':6} graph re-sent per compute {pt['graph_bytes_per_compute']:.0f} B; per token "
+                          f"set_tensor {pt['set_tensor_bytes_per_token']:.0f} B, "
+                          f"get_tensor {pt['get_tensor_bytes_per_token']:.0f} B",
+                          f"{'':6} host us per call: {host}; host {pt['host_us_per_token']:.1f} us of "
+                          f"{pt['wall_us_per_token']:.1f} us per token"]
+        return "\n".join(lines)
 
     @staticmethod
     def _test(row: dict) -> str:
@@ -565,6 +800,9 @@ class Runner:
         for shape in self.args.shapes:
             if "trace" in parts:
                 self.step(f"{shape}/trace", self.trace, shape, need=40)
+        for shape in self.args.shapes:
+            if "apir" in parts:
+                self.apir(shape)
         if "selftest" in parts:
             self.step("selftest", self.selftest, need=20)
         for shape in self.args.shapes:
@@ -578,6 +816,10 @@ class Runner:
         for shape in self.args.shapes:
             if "load" in parts:
                 self.step(f"{shape}/load", self.load_times, shape, need=40)
+        if "apir" in parts:
+            table = self.apir_table()
+            (self.out / "apir-table.txt").write_text(table + "\n")
+            print(table, flush=True)
         self.log("done")
 
     def cleanup(self) -> None:
@@ -603,9 +845,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["1b", "3b"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
-                    help="which measurements to run, after the build")
+                    help="which measurements to run, after the build: transport, apir, core, veth, trace, "
+                         "selftest, knobs, wire, knobs2, load")
     ap.add_argument("--cuda-arch", default="90")
-    ap.add_argument("--device", default="CUDA0", help="the device ggml-rpc-server serves")
+    ap.add_argument("--device", default="CUDA0",
+                    help="the device ggml-rpc-server serves; CPU: apir-host serves libggml-cpu, not libggml-cuda")
     ap.add_argument("--prebuilt", type=Path, help="an existing llama.cpp build dir (skips the build)")
     ap.add_argument("--patches", type=Path, default=REPO / "llama_patches",
                     help="the patch series folder applied to the source (default: the repository's)")
