@@ -1,24 +1,38 @@
 #!/usr/bin/env bash
 # Install what apirctl needs from the system package manager, only what is missing.
 # Debian/Ubuntu (apt) and Fedora (dnf). Needs root or sudo when something is missing.
+# --vulkan: also what `apirctl setup --vulkan` builds with (the Vulkan loader and headers, glslc, the
+# SPIR-V headers) and Mesa's Vulkan drivers (lavapipe, the software device its test runs on). On
+# Debian 12 the headers are too old for the pinned llama.cpp: apirctl fetches Debian 13's itself.
 set -euo pipefail
+
+vulkan=0
+[ "${1:-}" = "--vulkan" ] && vulkan=1
 
 need_cmds=(podman runc slirp4netns pasta cmake c++ ninja patch pkg-config ip tmux ldd ssh sshd)
 missing=()
 for c in "${need_cmds[@]}"; do command -v "$c" >/dev/null 2>&1 || missing+=("$c"); done
-have_drm=1; [ -e /usr/include/libdrm/drm.h ] || have_drm=0
-[ ${#missing[@]} -eq 0 ] && [ $have_drm -eq 1 ] && { echo "system packages: all present"; exit 0; }
+[ -e /usr/include/libdrm/drm.h ] || missing+=("libdrm headers")
+if [ $vulkan -eq 1 ]; then
+  command -v glslc >/dev/null 2>&1 || missing+=(glslc)
+  [ -e /usr/include/vulkan/vulkan_core.h ] || missing+=("Vulkan headers")
+  [ -d /usr/include/spirv ] || missing+=("SPIR-V headers")
+  ls /usr/share/vulkan/icd.d/lvp_icd.*.json >/dev/null 2>&1 || missing+=(lavapipe)
+fi
+[ ${#missing[@]} -eq 0 ] && { echo "system packages: all present"; exit 0; }
 
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-echo "system packages: installing (missing: ${missing[*]:-} $([ $have_drm -eq 0 ] && echo libdrm headers))"
+echo "system packages: installing (missing: ${missing[*]})"
 if command -v apt-get >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
+  vk=(); [ $vulkan -eq 1 ] && vk=(libvulkan-dev glslc spirv-headers mesa-vulkan-drivers)
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq podman runc slirp4netns passt uidmap fuse-overlayfs cmake g++ ninja-build \
-    pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server >/dev/null
+    pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server "${vk[@]}" >/dev/null
 elif command -v dnf >/dev/null 2>&1; then
+  vk=(); [ $vulkan -eq 1 ] && vk=(vulkan-loader-devel glslc spirv-headers-devel mesa-vulkan-drivers)
   $SUDO dnf install -y -q podman runc slirp4netns passt cmake gcc-c++ ninja-build patch pkgconf-pkg-config \
-    libdrm-devel iproute tmux openssh-clients openssh-server
+    libdrm-devel iproute tmux openssh-clients openssh-server "${vk[@]}"
 else
   echo "no apt-get or dnf: install podman, runc, slirp4netns, passt (pasta), cmake, a C++ compiler, ninja, libdrm headers" >&2
   exit 1

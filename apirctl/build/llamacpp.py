@@ -32,6 +32,7 @@ from typing import Literal, TextIO
 from pydantic import BaseModel
 
 from apirctl import config, host
+from apirctl.build import vulkan
 from apirctl.digest import sha256_file
 from apirctl.errors import MISSING, ApirctlError, tail
 from apirctl.paths import dirs, ensure, package_data
@@ -190,55 +191,6 @@ def _socket_frontend() -> bool:
 def container_options() -> BuildOptions:
     """The image needs no GPU backend and no host library: remoting brings the GPU (RPC, or APIR's frontend)."""
     return BuildOptions(backend="cpu", virtgpu_backend=False, virtgpu_frontend=_socket_frontend())
-
-
-VULKAN_PACKAGES = ("`sudo apt-get install libvulkan-dev glslc spirv-headers` (Debian 13, Ubuntu 24.04) or "
-                   "`sudo dnf install vulkan-loader-devel glslc spirv-headers-devel` (Fedora)")
-#: The pinned llama.cpp uses VK_EXT_layer_settings' C++ types unconditionally: headers 1.3.272 or newer.
-VULKAN_MIN_HEADER = (1, 3, 272)
-_HEADER_VERSION = re.compile(r"#define VK_HEADER_VERSION_COMPLETE VK_MAKE_API_VERSION\(\s*0,\s*(\d+),\s*(\d+),\s*"
-                             r"VK_HEADER_VERSION\s*\)|#define VK_HEADER_VERSION (\d+)")
-
-
-def _include_dirs() -> list[Path]:
-    """Where the compiler looks for headers: CPLUS_INCLUDE_PATH/CPATH first (as g++ does), then the system."""
-    extra = [Path(p) for var in ("CPLUS_INCLUDE_PATH", "CPATH") for p in os.environ.get(var, "").split(":") if p]
-    return [*extra, Path("/usr/local/include"), Path("/usr/include")]
-
-
-def vulkan_header_version() -> tuple[int, int, int] | None:
-    """The version of the Vulkan headers the compiler would use (None: none found)."""
-    for folder in _include_dirs():
-        core = folder / "vulkan" / "vulkan_core.h"
-        if core.exists():
-            text = core.read_text(errors="replace")
-            major_minor = patch = None
-            for m in _HEADER_VERSION.finditer(text):
-                if m.group(3):
-                    patch = int(m.group(3))
-                else:
-                    major_minor = (int(m.group(1)), int(m.group(2)))
-            if major_minor and patch is not None:
-                return (*major_minor, patch)
-            return None
-    return None
-
-
-def vulkan_missing() -> list[str]:
-    """What the Vulkan build needs from the distribution and this host lacks (empty: ready)."""
-    missing = []
-    version = vulkan_header_version()
-    if version is None:
-        missing.append("the Vulkan headers and loader (libvulkan-dev)")
-    elif version < VULKAN_MIN_HEADER:
-        missing.append(f"Vulkan headers {'.'.join(map(str, VULKAN_MIN_HEADER))} or newer (found "
-                       f"{'.'.join(map(str, version))}: Debian 12's are too old; point CPLUS_INCLUDE_PATH at newer "
-                       "ones, e.g. the include/ of Debian 13's libvulkan-dev)")
-    if shutil.which("glslc") is None:
-        missing.append("the shader compiler glslc")
-    if not any((d / "spirv").is_dir() for d in _include_dirs()):
-        missing.append("the SPIR-V headers (spirv-headers)")
-    return missing
 
 
 def vulkan_options() -> BuildOptions:
@@ -468,9 +420,14 @@ def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress:
     if shutil.which("cmake") is None:
         raise ApirctlError("cmake is not installed", exit_code=MISSING,
                            hint="install cmake and a C++ compiler (Debian: apt-get install cmake g++)")
-    if options.backend == "vulkan" and vulkan_missing():
-        raise ApirctlError(f"the Vulkan build needs {', '.join(vulkan_missing())}", exit_code=127,
-                           hint=f"install them: {VULKAN_PACKAGES}")
+    extra_args: list[str] = []
+    if options.backend == "vulkan":
+        if vulkan.missing():
+            raise ApirctlError(f"the Vulkan build needs {', '.join(vulkan.missing())}", exit_code=127,
+                               hint=f"install them: {vulkan.PACKAGES}")
+        headers = vulkan.build_headers()  # Debian 12: Debian 13's, fetched into the build cache
+        if headers is not None:  # ahead of the system's older ones; not part of the key (they only declare)
+            extra_args.append(f"-DVulkan_INCLUDE_DIR={headers}")
     src = source_dir()
     build_dir = root / "cmake"
     (root / _MANIFEST).unlink(missing_ok=True)
@@ -478,7 +435,7 @@ def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress:
     log_path = ensure(dirs().logs) / f"llama-build-{options.key()}.log"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     jobs = jobs or os.cpu_count() or 2
-    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options.cmake_args()]
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options.cmake_args(), *extra_args]
     compile_ = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *options.targets()]
 
     def on_line(line: str) -> None:

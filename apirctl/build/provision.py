@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from apirctl import config, models
 from apirctl.build import image, llamacpp
+from apirctl.build import vulkan as vulkan_prerequisites
 from apirctl.build.llamacpp import Build, ProgressFn
 from apirctl.errors import ApirctlError
 
@@ -50,9 +51,9 @@ def run(jobs: int | None = None, with_image: bool = True, with_model: bool = Tru
         model_ref: str | None = None, on_download: models.DownloadProgress | None = None,
         vulkan: bool = False) -> SetupResult:
     """Every step of `apirctl setup`; `vulkan` adds the Vulkan build and its passthrough image."""
-    if vulkan and llamacpp.vulkan_missing():  # before the other builds: say it now, not after minutes
-        raise ApirctlError(f"the Vulkan build needs {', '.join(llamacpp.vulkan_missing())}", exit_code=127,
-                           hint=f"install them: {llamacpp.VULKAN_PACKAGES}")
+    if vulkan and vulkan_prerequisites.missing():  # before the other builds: say it now, not after minutes
+        raise ApirctlError(f"the Vulkan build needs {', '.join(vulkan_prerequisites.missing())}", exit_code=127,
+                           hint=f"install them: {vulkan_prerequisites.PACKAGES}")
     # Only the image needs the CPU container build: without it, a GPU host builds once.
     host, container = builds(jobs, on_step, progress, container=with_image)
     tag = None
