@@ -4,7 +4,7 @@
 # $APIRCTL_TEST_CACHE (default: .test-cache/), so only the first run builds (minutes on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/system-deps.sh
+bash scripts/system-deps.sh --vulkan  # with what the Vulkan image test builds and runs on
 [ -x .venv/bin/python ] || python3 -m venv .venv
 .venv/bin/pip install -q -e '.[test,plot,dev]'  # dev: tests/test_quality.py runs ruff and mypy
 exec .venv/bin/pytest -q "$@"
