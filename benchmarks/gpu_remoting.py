@@ -372,12 +372,21 @@ class Runner:
             holder.wait()
 
     # -- 2. benchmarks ------------------------------------------------------------------
+    def cpu_threads(self) -> list[str]:
+        """On a CPU, every llama-bench computes with as many threads as the server (`--server-threads`):
+        native gets the same compute, and a client's thread pool does not take the cores the server
+        computes on (with more threads than cores, a pool's barrier waits for a thread the scheduler
+        took away, and native lost to the remote rows on the 2-core machine)."""
+        if self.args.device == "CPU" and self.args.server_threads:
+            return ["-t", str(self.args.server_threads)]
+        return []
+
     def bench(self, key: str, shape: str, extra: list[str], env: dict[str, str] | None = None,
               prefix: list[str] | None = None, reps: int | None = None, tests: tuple[str, str] = ("512", "128"),
               ) -> None:
         cmd = (prefix or []) + [str(self.bin / "llama-bench"), "-m", str(self.models[shape]), "-ngl", "99",
                                 "-p", tests[0], "-n", tests[1], "-r", str(reps or self.args.reps), "-o", "json"]
-        cmd += extra
+        cmd += extra if "-t" in extra else extra + self.cpu_threads()
         t0 = time.monotonic()
         proc = self.run(cmd, "bench.log", env=env, timeout=240)
         wall = time.monotonic() - t0
