@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from apirctl.build import llamacpp
-from tests.remoting.conftest import free_port
-from tests.remoting.test_shm_native import greedy_tokens, wait_for
+from tests.support import build_servers
+from tests.support.build_servers import greedy_tokens, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
 
@@ -354,31 +354,11 @@ def test_host_refuses_to_start_insecurely(llama_build: llamacpp.Build, tmp_path:
 def llama_server(build: llamacpp.Build, model: Path, workdir: Path, socket_path: Path | None,
                  ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """The build's llama-server: on the APIR device when socket_path is given, else native CPU."""
-    port = free_port()
-    args = [str(build.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", "1", "-c", "512", "--no-warmup", "-ngl", "99" if socket_path else "0"]
     env = {k: v for k, v in os.environ.items() if k != "GGML_VIRTGPU_SOCKET"}
     if socket_path is not None:
         env["GGML_VIRTGPU_SOCKET"] = str(socket_path)
-    log = workdir / f"llama-server-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    try:
-        wait_for(healthy, 180, "llama-server")
-        yield proc, url, log
-    finally:
-        proc.kill()
-        proc.wait()
+    with build_servers.llama_server(build, model, workdir, ["-ngl", "99"] if socket_path else None, env) as found:
+        yield found
 
 
 def test_same_greedy_tokens_native_and_through_apir_host(llama_build: llamacpp.Build, demo_model: Path,

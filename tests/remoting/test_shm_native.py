@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from apirctl.build import llamacpp
+from tests.support.build_servers import greedy_tokens, llama_server, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
 
@@ -36,15 +37,6 @@ SHM_CAPS_MAGIC = 0x4D485352  # "RSHM", the HELLO capability of the shared-memory
 SHM_FILE_MAGIC = 0x4D485347  # "GSHM", the memfd's header
 RING = 64 * 1024
 RING0_HEAD = 256  # offset of ring 0's write position in the control page
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def connects(path: Path) -> bool:
@@ -92,45 +84,8 @@ def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str]
         proc.wait()
 
 
-@contextlib.contextmanager
-def llama_server(build, model: Path, workdir: Path, rpc: str | None  # type: ignore[no-untyped-def]
-                 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    args = [str(build.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-            "-t", "1", "-c", "512", "--no-warmup"]
-    args += ["--rpc", rpc, "-ngl", "99", "-dev", "RPC0"] if rpc else ["-ngl", "0"]
-    log = workdir / f"llama-server-{port}.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
-
-    try:
-        wait_for(healthy, 180, "llama-server")
-        yield proc, url, log
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def greedy_tokens(url: str, n: int = 24) -> list[int]:
-    body = json.dumps({"prompt": "The three primary colours are", "n_predict": n, "temperature": 0,
-                       "top_k": 1, "seed": 7, "cache_prompt": False, "return_tokens": True}).encode()
-    req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        answer = json.load(r)
-    tokens = answer["tokens"]
-    assert len(tokens) == n, answer
-    return [int(t) for t in tokens]
+def rpc_offload(endpoint: str) -> list[str]:
+    return ["--rpc", endpoint, "-ngl", "99", "-dev", "RPC0"]
 
 
 def hello(sock: socket.socket, caps: bytes = bytes(24)) -> bytes:
@@ -214,13 +169,13 @@ def test_channel_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path
 
 
 def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model: Path, workdir: Path) -> None:
-    with llama_server(llama_build, demo_model, workdir, rpc=None) as (_, url, _log):
+    with llama_server(llama_build, demo_model, workdir) as (_, url, _log):
         native = greedy_tokens(url)
     with rpc_server(llama_build, workdir, "tcp") as (_, endpoint, _log), \
-            llama_server(llama_build, demo_model, workdir, rpc=endpoint) as (_, url, _log2):
+            llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         tcp = greedy_tokens(url)
     with rpc_server(llama_build, workdir, "unix") as (_, endpoint, log), \
-            llama_server(llama_build, demo_model, workdir, rpc=endpoint) as (_, url, _log2):
+            llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         shm = greedy_tokens(url)
         assert b"RPC: shared-memory transport" in log.read_bytes()
     assert tcp == native
@@ -229,7 +184,7 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
 
 def test_server_killed_mid_decode_fails_the_client_fast(llama_build, demo_model: Path, workdir: Path) -> None:
     with rpc_server(llama_build, workdir) as (server, endpoint, _log), \
-            llama_server(llama_build, demo_model, workdir, rpc=endpoint) as (client, url, log):
+            llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (client, url, log):
         body = json.dumps({"prompt": "Count:", "n_predict": 4000, "ignore_eos": True, "stream": True}).encode()
         req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
         with contextlib.suppress(OSError), urllib.request.urlopen(req, timeout=60) as stream:

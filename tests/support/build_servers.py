@@ -1,0 +1,69 @@
+"""The pinned build's own llama-server, run directly (no container) by the native transport tests,
+and the greedy tokens they compare between native and remote runs."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from apirctl.build import llamacpp
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def llama_server(build: llamacpp.Build, model: Path, workdir: Path, offload: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """llama-server on 127.0.0.1 with one thread and a small context; `offload` are the flags that
+    put the layers on a remote device (none: native CPU). Yields (process, URL, log) once healthy."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    args = [str(build.binary("llama-server")), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+            "-t", "1", "-c", "512", "--no-warmup", *(offload if offload else ["-ngl", "0"])]
+    log = workdir / f"llama-server-{port}.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                env=env if env is not None else dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    try:
+        wait_for(healthy, 180, "llama-server")
+        yield proc, url, log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def greedy_tokens(url: str, n: int = 24) -> list[int]:
+    """The token ids of a greedy completion of a fixed prompt."""
+    body = json.dumps({"prompt": "The three primary colours are", "n_predict": n, "temperature": 0,
+                       "top_k": 1, "seed": 7, "cache_prompt": False, "return_tokens": True}).encode()
+    req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        answer = json.load(r)
+    tokens = answer["tokens"]
+    assert len(tokens) == n, answer
+    return [int(t) for t in tokens]
