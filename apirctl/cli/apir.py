@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -245,11 +246,13 @@ def trace(
                 if summary_only:
                     continue
                 if json_out and follow:
-                    print(json_lib.dumps(record.as_dict(arguments), default=str), flush=True)
+                    _line(json_lib.dumps(record.as_dict(arguments), default=str))
                 elif json_out:
                     kept.append(record.as_dict(arguments))
+                elif follow:
+                    _line(_trace_line(record, origin, arguments))
                 else:
-                    print(_trace_line(record, origin, arguments), flush=follow)
+                    print(_trace_line(record, origin, arguments))
         except apir_trace.ApirTraceError as exc:
             if not json_out and not summary_only:
                 _print_summary(summary)
@@ -265,6 +268,13 @@ def trace(
         print_json({"file": str(path), **({} if summary_only else {"records": kept}), "summary": summary.as_dict()})
         return
     _print_summary(summary)
+
+
+def _line(text: str) -> None:
+    """One line in one write, flushed: a Ctrl-C that ends `--follow` comes between two lines, never
+    between a line and its newline (print writes them apart, and the summary then joined the cut line)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _print_summary(summary: Any) -> None:

@@ -187,6 +187,7 @@ def test_a_dropped_block_is_never_sent_and_ctrl_d_sends_one(
         assert server.requests == []
         pane.line('"""first line')
         pane.line("second line")
+        pane.wait(r"second line\n\.\.\. ?$")  # Ctrl-D goes to the next continuation prompt, not into the line
         pane.keys("C-d")  # ends the block: it goes as it stands, and the session stays
         pane.wait("Fine.")
         assert [m["content"] for m in server.requests[0]["messages"]] == ["first line\nsecond line"]
