@@ -27,6 +27,14 @@ results.json is rewritten after every step, so a cut-off run still reports):
    the host's trace must show the row's graph computes, else the row fails. Then a traced tg32 run
    through apir-host, decoded with apirctl.apir.trace: synchronous calls per token by function,
    graph bytes re-sent per compute, host time per call; and the time lost per token for each row.
+7. `hotpath` (issue 12): native against the shared-memory transport with the server's per-token copies
+   from and to pageable memory (`GGML_RPC_NO_STAGING=1`, the behaviour before llama_patches/ 0008) and
+   through the device's pinned staging memory (after), and after with rings of 8 MiB (before 0009)
+   instead of 1; all again in the opposite order, native last; then,
+   for each, a profiled tg128 run of both ends (`GGML_RPC_PROFILE=1`): the per-token timeline of the
+   client and the server (rpc_profile.py), before and after.
+8. `rings`: the shared-memory rings at 1, 2 and 8 MiB, three passes in turn between two native rows,
+   and a profiled pp512 run (where a prompt batch's time goes).
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -41,6 +49,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -383,12 +392,12 @@ class Runner:
 
     def bench(self, key: str, shape: str, extra: list[str], env: dict[str, str] | None = None,
               prefix: list[str] | None = None, reps: int | None = None, tests: tuple[str, str] = ("512", "128"),
-              ) -> None:
+              log: str = "bench.log") -> None:
         cmd = (prefix or []) + [str(self.bin / "llama-bench"), "-m", str(self.models[shape]), "-ngl", "99",
                                 "-p", tests[0], "-n", tests[1], "-r", str(reps or self.args.reps), "-o", "json"]
         cmd += extra if "-t" in extra else extra + self.cpu_threads()
         t0 = time.monotonic()
-        proc = self.run(cmd, "bench.log", env=env, timeout=240)
+        proc = self.run(cmd, log, env=env, timeout=240)
         wall = time.monotonic() - t0
         rows = json.loads(proc.stdout)
         self.results["bench"].setdefault(shape, {})[key] = {
@@ -461,6 +470,87 @@ class Runner:
         self.results.setdefault("transport", {})[shape] = summary
         ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in summary.items()}
         self.log(f"{shape} transport: {json.dumps(ratios)}")
+
+    # -- 2d. the server's hot path: pageable against staged copies, and both ends' timeline ---
+    def hotpath(self, shape: str) -> None:
+        import rpc_profile
+
+        unix = f"unix:{self.work / 'rpc.sock'}"
+        rows = {"shm_netns_pageable": {"GGML_RPC_NO_STAGING": "1"}, "shm_netns": {},
+                "shm_netns_ring8m": {"GGML_RPC_SHM_RING_MB": "8"}}
+        if "native" not in self.results["bench"].get(shape, {}):
+            self.step(f"{shape}/native", self.bench, "native", shape, [])
+        for key, env in rows.items():
+            with self.server(unix, env_extra=env):
+                self.step(f"{shape}/{key}", self.bench, key, shape, ["--rpc", unix], NO_GPU | env, ISOLATED)
+        # the same rows again in the opposite order, native last: drift during the run shows as a
+        # difference between the passes
+        for key, env in reversed(rows.items()):
+            with self.server(unix, env_extra=env):
+                self.step(f"{shape}/{key}_b", self.bench, f"{key}_b", shape, ["--rpc", unix], NO_GPU | env, ISOLATED)
+        self.step(f"{shape}/native_b", self.bench, "native_b", shape, [])
+        profile = {"GGML_RPC_PROFILE": "1"}
+        timelines = self.results.setdefault("timeline", {}).setdefault(shape, {})
+        for key, env in rows.items():
+            server_log, client_log = f"profile-{shape}-{key}-server.log", f"profile-{shape}-{key}-client.log"
+            with self.server(unix, env_extra=env | profile, log_name=server_log):
+                self.step(f"{shape}/{key}-profile", self.bench, f"{key}_profile", shape, ["--rpc", unix],
+                          NO_GPU | env | profile, ISOLATED, 1, ("0", "128"), client_log)
+                # the server prints once it sees the client gone (within its 50 ms sleep), not at once
+                deadline = time.monotonic() + 5
+                server_done = re.compile(r"RPC profile \(server\): \d+ tokens")
+                while not server_done.search((self.logs / server_log).read_text(errors="replace")) \
+                        and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            text = "".join((self.logs / name).read_text(errors="replace")
+                           for name in (server_log, client_log) if (self.logs / name).exists())
+            timelines[key] = rpc_profile.parse(text)
+            self.log(f"{shape} {key} timeline:\n{rpc_profile.table(timelines[key])}")
+        keys = ("native", *rows, *(f"{k}_b" for k in rows), "native_b", *(f"{k}_profile" for k in rows))
+        self.results.setdefault("hotpath", {})[shape] = self.against_native(shape, keys)
+        self.save()
+        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in self.results["hotpath"][shape].items()}
+        self.log(f"{shape} hotpath: {json.dumps(ratios)}")
+
+    # -- 2e. ring sizes, alternated; and where a prompt's time goes --------------------------
+    def rings(self, shape: str) -> None:
+        """Rings of 1 (the default), 2 and 8 MiB, three passes in turn between two native rows, so that
+        the machine's drift falls on every size alike; then a profiled pp512 run of both ends (its
+        cycles are prompt batches, not tokens)."""
+        import rpc_profile
+
+        unix = f"unix:{self.work / 'rpc.sock'}"
+        sizes = {"ring1m": "1", "ring2m": "2", "ring8m": "8"}
+        self.step(f"{shape}/native", self.bench, "native", shape, [])
+        for n in range(3):
+            for key, mib in sizes.items():
+                env = {"GGML_RPC_SHM_RING_MB": mib}
+                with self.server(unix, env_extra=env):
+                    self.step(f"{shape}/{key}_{n}", self.bench, f"{key}_{n}", shape, ["--rpc", unix], NO_GPU | env,
+                              ISOLATED)
+        self.step(f"{shape}/native_b", self.bench, "native_b", shape, [])
+        profile = {"GGML_RPC_PROFILE": "1"}
+        server_log, client_log = f"profile-{shape}-pp512-server.log", f"profile-{shape}-pp512-client.log"
+        with self.server(unix, env_extra=profile, log_name=server_log):
+            self.step(f"{shape}/pp512-profile", self.bench, "shm_netns_pp_profile", shape, ["--rpc", unix],
+                      NO_GPU | profile, ISOLATED, None, ("512", "0"), client_log)
+            deadline = time.monotonic() + 5
+            server_done = re.compile(r"RPC profile \(server\): \d+ tokens")
+            while not server_done.search((self.logs / server_log).read_text(errors="replace")) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+        text = "".join((self.logs / name).read_text(errors="replace")
+                       for name in (server_log, client_log) if (self.logs / name).exists())
+        timeline = rpc_profile.parse(text)
+        self.results.setdefault("timeline", {}).setdefault(shape, {})["pp512"] = timeline
+        self.log(f"{shape} pp512 timeline (per prompt batch):\n{rpc_profile.table(timeline)}")
+        summary = self.against_native(shape)
+        self.results.setdefault("rings", {})[shape] = summary
+        self.save()
+        for key in sizes:
+            tg = [summary[f"{key}_{n}"]["tg128"]["ratio"] for n in range(3) if f"{key}_{n}" in summary]
+            pp = [summary[f"{key}_{n}"]["pp512"]["ratio"] for n in range(3) if f"{key}_{n}" in summary]
+            self.log(f"{shape} {key}: tg128 {tg} pp512 {pp}")
 
     def against_native(self, shape: str, keys: tuple[str, ...] | None = None, pp_lost: bool = False) -> dict:
         """Each row's t/s as a ratio to native's of the same run, and the time lost per generated token
@@ -801,6 +891,12 @@ class Runner:
         self.step("slirp4netns", self.setup_slirp, need=0)
         parts = set(self.args.parts)
         for shape in self.args.shapes:
+            if "hotpath" in parts:
+                self.hotpath(shape)
+        for shape in self.args.shapes:
+            if "rings" in parts:
+                self.rings(shape)
+        for shape in self.args.shapes:
             if "transport" in parts:
                 self.transport(shape)
         for shape in self.args.shapes:
@@ -854,8 +950,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["1b", "3b"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
-                    help="which measurements to run, after the build: transport, apir, core, veth, trace, "
-                         "selftest, knobs, wire, knobs2, load")
+                    help="which measurements to run, after the build: hotpath, rings, transport, apir, core, veth, "
+                         "trace, selftest, knobs, wire, knobs2, load")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0",
                     help="the device ggml-rpc-server serves; CPU: apir-host serves libggml-cpu, not libggml-cuda")

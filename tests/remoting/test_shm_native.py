@@ -13,6 +13,7 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +38,7 @@ SHM_CAPS_MAGIC = 0x4D485352  # "RSHM", the HELLO capability of the shared-memory
 SHM_FILE_MAGIC = 0x4D485347  # "GSHM", the memfd's header
 RING = 64 * 1024
 RING0_HEAD = 256  # offset of ring 0's write position in the control page
+PROFILE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rpc_profile.py"
 
 
 def connects(path: Path) -> bool:
@@ -178,8 +180,53 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         shm = greedy_tokens(url)
         assert b"RPC: shared-memory transport" in log.read_bytes()
+    # the copies from and to pageable memory, as before the staging memory (llama_patches/ 0008)
+    with rpc_server(llama_build, workdir, "unix", {"GGML_RPC_NO_STAGING": "1"}) as (_, endpoint, _log), \
+            llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
+        pageable = greedy_tokens(url)
     assert tcp == native
     assert shm == native
+    assert pageable == native
+
+
+def test_profile_gives_both_ends_per_token_with_one_backend_wait(llama_build, demo_model: Path,
+                                                                  workdir: Path) -> None:
+    """GGML_RPC_PROFILE=1 on both ends (llama_patches/ 0008): every generated token is the same cycle of
+    inputs, one graph launch and one GET_TENSOR, with exactly one wait for the backend on the server,
+    and benchmarks/rpc_profile.py reads both ends' per-token timeline from one run."""
+    profile = {"GGML_RPC_PROFILE": "1"}
+    with rpc_server(llama_build, workdir, "unix", profile) as (_, endpoint, server_log):
+        done = subprocess.run([str(llama_build.binary("llama-bench")), "-m", str(demo_model), *rpc_offload(endpoint),
+                               "-p", "0", "-n", "8", "-r", "1", "-t", "1", "-o", "json"],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, **profile})
+        assert done.returncode == 0, done.stderr[-2000:]
+        # the server prints once it sees the client gone
+        printed = re.compile(r"RPC profile \(server\): \d+ tokens")
+        wait_for(lambda: printed.search(server_log.read_text(errors="replace")) is not None, 30, "the server's profile")
+    client_log = workdir / "client.log"
+    client_log.write_text(done.stderr)
+    read = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(server_log), str(client_log), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    assert read.returncode == 0, read.stderr
+    timeline = json.loads(read.stdout)
+    server, client = timeline["server"], timeline["client"]
+    assert server["tokens"] >= 8 and client["tokens"] == server["tokens"]
+    s, c = server["entries"], client["entries"]
+    for name in ("GET_TENSOR", "GRAPH_RECOMPUTE", "backend wait", "reply send"):
+        assert s[name]["per_token"] == 1.0, (name, s[name])
+    assert c["reply wait"]["per_token"] == c["reply data"]["per_token"] == 1.0
+    assert s["SET_TENSOR"]["per_token"] == c["SET_TENSOR"]["per_token"] > 0
+    assert c["send"]["per_token"] == c["SET_TENSOR"]["per_token"] + 2  # and GRAPH_RECOMPUTE, GET_TENSOR
+    assert c["reply wait"]["us_per_token"] > 0 and s["waiting"]["us_per_token"] > 0
+    # a log without a profile is said in one line and a hint, not a traceback
+    empty = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(workdir / "rpc-unix.log")],
+                           capture_output=True, text=True, timeout=60)
+    missing = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(workdir / "absent.log")],
+                             capture_output=True, text=True, timeout=60)
+    for bad in (empty, missing):
+        assert bad.returncode == 2
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
 
 
 def test_server_killed_mid_decode_fails_the_client_fast(llama_build, demo_model: Path, workdir: Path) -> None:
