@@ -473,8 +473,6 @@ class Runner:
 
     # -- 2d. the server's hot path: pageable against staged copies, and both ends' timeline ---
     def hotpath(self, shape: str) -> None:
-        import rpc_profile
-
         unix = f"unix:{self.work / 'rpc.sock'}"
         rows = {"shm_netns_pageable": {"GGML_RPC_NO_STAGING": "1"}, "shm_netns": {},
                 "shm_netns_ring8m": {"GGML_RPC_SHM_RING_MB": "8"}}
@@ -489,36 +487,44 @@ class Runner:
             with self.server(unix, env_extra=env):
                 self.step(f"{shape}/{key}_b", self.bench, f"{key}_b", shape, ["--rpc", unix], NO_GPU | env, ISOLATED)
         self.step(f"{shape}/native_b", self.bench, "native_b", shape, [])
-        profile = {"GGML_RPC_PROFILE": "1"}
         timelines = self.results.setdefault("timeline", {}).setdefault(shape, {})
         for key, env in rows.items():
-            server_log, client_log = f"profile-{shape}-{key}-server.log", f"profile-{shape}-{key}-client.log"
-            with self.server(unix, env_extra=env | profile, log_name=server_log):
-                self.step(f"{shape}/{key}-profile", self.bench, f"{key}_profile", shape, ["--rpc", unix],
-                          NO_GPU | env | profile, ISOLATED, 1, ("0", "128"), client_log)
-                # the server prints once it sees the client gone (within its 50 ms sleep), not at once
-                deadline = time.monotonic() + 5
-                server_done = re.compile(r"RPC profile \(server\): \d+ tokens")
-                while not server_done.search((self.logs / server_log).read_text(errors="replace")) \
-                        and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            text = "".join((self.logs / name).read_text(errors="replace")
-                           for name in (server_log, client_log) if (self.logs / name).exists())
-            timelines[key] = rpc_profile.parse(text)
-            self.log(f"{shape} {key} timeline:\n{rpc_profile.table(timelines[key])}")
+            timelines[key] = self.profiled(shape, key, env, ("0", "128"), reps=1)
         keys = ("native", *rows, *(f"{k}_b" for k in rows), "native_b", *(f"{k}_profile" for k in rows))
         self.results.setdefault("hotpath", {})[shape] = self.against_native(shape, keys)
         self.save()
         ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in self.results["hotpath"][shape].items()}
         self.log(f"{shape} hotpath: {json.dumps(ratios)}")
 
+    def profiled(self, shape: str, key: str, env: dict[str, str], tests: tuple[str, str],
+                 reps: int | None = None) -> dict:
+        """One llama-bench run over shared memory with both ends profiled (GGML_RPC_PROFILE=1): the
+        per-token (or, for a prompt, per-batch) timeline of client and server (rpc_profile.py)."""
+        import rpc_profile
+
+        unix = f"unix:{self.work / 'rpc.sock'}"
+        profile = {"GGML_RPC_PROFILE": "1"}
+        server_log, client_log = f"profile-{shape}-{key}-server.log", f"profile-{shape}-{key}-client.log"
+        with self.server(unix, env_extra=env | profile, log_name=server_log):
+            self.step(f"{shape}/{key}-profile", self.bench, f"{key}_profile", shape, ["--rpc", unix],
+                      NO_GPU | env | profile, ISOLATED, reps, tests, client_log)
+            # the server prints once it sees the client gone (within its 50 ms sleep), not at once
+            deadline = time.monotonic() + 5
+            server_done = re.compile(r"RPC profile \(server\): \d+ tokens")
+            while not server_done.search((self.logs / server_log).read_text(errors="replace")) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
+        text = "".join((self.logs / name).read_text(errors="replace")
+                       for name in (server_log, client_log) if (self.logs / name).exists())
+        timeline = rpc_profile.parse(text)
+        self.log(f"{shape} {key} timeline:\n{rpc_profile.table(timeline)}")
+        return timeline
+
     # -- 2e. ring sizes, alternated; and where a prompt's time goes --------------------------
     def rings(self, shape: str) -> None:
         """Rings of 1 (the default), 2 and 8 MiB, three passes in turn between two native rows, so that
         the machine's drift falls on every size alike; then a profiled pp512 run of both ends (its
         cycles are prompt batches, not tokens)."""
-        import rpc_profile
-
         unix = f"unix:{self.work / 'rpc.sock'}"
         sizes = {"ring1m": "1", "ring2m": "2", "ring8m": "8"}
         self.step(f"{shape}/native", self.bench, "native", shape, [])
@@ -529,21 +535,8 @@ class Runner:
                     self.step(f"{shape}/{key}_{n}", self.bench, f"{key}_{n}", shape, ["--rpc", unix], NO_GPU | env,
                               ISOLATED)
         self.step(f"{shape}/native_b", self.bench, "native_b", shape, [])
-        profile = {"GGML_RPC_PROFILE": "1"}
-        server_log, client_log = f"profile-{shape}-pp512-server.log", f"profile-{shape}-pp512-client.log"
-        with self.server(unix, env_extra=profile, log_name=server_log):
-            self.step(f"{shape}/pp512-profile", self.bench, "shm_netns_pp_profile", shape, ["--rpc", unix],
-                      NO_GPU | profile, ISOLATED, None, ("512", "0"), client_log)
-            deadline = time.monotonic() + 5
-            server_done = re.compile(r"RPC profile \(server\): \d+ tokens")
-            while not server_done.search((self.logs / server_log).read_text(errors="replace")) \
-                    and time.monotonic() < deadline:
-                time.sleep(0.1)
-        text = "".join((self.logs / name).read_text(errors="replace")
-                       for name in (server_log, client_log) if (self.logs / name).exists())
-        timeline = rpc_profile.parse(text)
+        timeline = self.profiled(shape, "shm_netns_pp", {}, ("512", "0"))
         self.results.setdefault("timeline", {}).setdefault(shape, {})["pp512"] = timeline
-        self.log(f"{shape} pp512 timeline (per prompt batch):\n{rpc_profile.table(timeline)}")
         summary = self.against_native(shape)
         self.results.setdefault("rings", {})[shape] = summary
         self.save()

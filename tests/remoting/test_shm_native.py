@@ -219,7 +219,9 @@ def test_profile_gives_both_ends_per_token_with_one_backend_wait(llama_build, de
     assert c["send"]["per_token"] == c["SET_TENSOR"]["per_token"] + 2  # and GRAPH_RECOMPUTE, GET_TENSOR
     assert c["reply wait"]["us_per_token"] > 0 and s["waiting"]["us_per_token"] > 0
     # a log without a profile is said in one line and a hint, not a traceback
-    empty = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(workdir / "rpc-unix.log")],
+    unprofiled = workdir / "unprofiled.log"
+    unprofiled.write_text("RPC: shared-memory transport, rings of 1 MiB\nClient connection closed\n")
+    empty = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(unprofiled)],
                            capture_output=True, text=True, timeout=60)
     missing = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(workdir / "absent.log")],
                              capture_output=True, text=True, timeout=60)
