@@ -246,19 +246,11 @@ def _foreground(name: str, since: int) -> None:
 
 def _uptime(created: datetime | None, state: str) -> str:
     """How long a running server has existed, the way `podman ps` says it (2h13m, 5m3s, 12s)."""
+    from apirctl import durations
+
     if created is None or state != "running":
         return "-"
-    seconds = max(0, int((datetime.now(timezone.utc) - created).total_seconds()))
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d{hours}h"
-    if hours:
-        return f"{hours}h{minutes}m"
-    if minutes:
-        return f"{minutes}m{secs}s"
-    return f"{secs}s"
+    return durations.short((datetime.now(timezone.utc) - created).total_seconds())
 
 
 def ps(

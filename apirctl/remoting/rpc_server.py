@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from apirctl import config
+from apirctl import config, durations
 from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError, tail
 from apirctl.machine import MachineState, MachineStatus, RestartOptions
@@ -324,18 +324,6 @@ def _split(servers: list[Server], record: BackendRecord | None) -> tuple[list[Se
     return [s for s in servers if s not in orphans], orphans
 
 
-def _uptime(seconds: float) -> str:
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, secs = divmod(rest, 60)
-    if days:
-        return f"{days}d {hours}h"
-    if hours:
-        return f"{hours}h {minutes}m"
-    return f"{minutes}m {secs}s" if minutes else f"{secs}s"
-
-
 def _st(state: MachineState, summary: str, next_step: str | None = None, **details: Any) -> MachineStatus:
     return MachineStatus(platform=PLATFORM, state=state, summary=summary, next_step=next_step,
                          details={k: v for k, v in details.items() if v is not None})
@@ -430,7 +418,7 @@ def status(name: str | None = None) -> MachineStatus:
                    f"(last log line: {_failure_line()})", RESTART_HINT, **common,
                    note="rpc inference servers on it abort at their next request; restart them after the backend")
 
-    uptime = _uptime(time.time() - record.started_at)
+    uptime = durations.short(time.time() - record.started_at)
     devices = _devices_from_log()
     servers, orphans = _split(rpc_servers(record.port if record.listen == "tcp" else None, found), record)
     orphans += [s for s in found or [] if s.state == "exited" and _on_host_backend(s)
