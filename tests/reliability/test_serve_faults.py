@@ -207,8 +207,10 @@ def test_zz_container_gone_mid_chat(env: dict[str, str], fault: list[str]) -> No
     """Last: the shared server dies here (and is served again). chat ends with one error line and a
     hint; a killed container is listed as exited with its code, and `stop` removes it; a removed one
     is gone from `ps -a`."""
+    # greedy: the demo model writes this essay to the token limit (sampled, it may stop after a line)
     proc = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", env["url"], "--prompt",
-                             "Count from one to five hundred, in words.", "--max-tokens", "2000"],
+                             "Write an essay about the history of Rome.", "--max-tokens", "2000", "--temp", "0",
+                             "--seed", "7"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     assert proc.stdout is not None
     proc.stdout.read(1)  # the answer has begun
