@@ -20,10 +20,9 @@ import re
 import sys
 from pathlib import Path
 
-#: The RPC commands by number, as the pinned ggml-rpc numbers them (apirctl.remoting.rpc_client.Command).
-COMMANDS = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
-            "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
-            "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # apirctl, also where it is not installed
+
+from apirctl.remoting.rpc_client import Command  # noqa: E402 - after the path it needs
 
 _LINE = re.compile(r"RPC profile \((client|server)\): (\d+) tokens: (.*)$")
 _WAITING = re.compile(r"waiting ([\d.]+) us per token")
@@ -46,8 +45,10 @@ def parse(text: str) -> Timeline:
         if w := _WAITING.match(rest):
             name, count, us = "waiting", 0.0, float(w.group(1))
         elif c := _CMD.match(rest):
-            number = int(c.group(1))
-            name = COMMANDS[number] if number < len(COMMANDS) else f"cmd {number}"
+            try:
+                name = Command(int(c.group(1))).name
+            except ValueError:  # a command newer than this reader
+                name = f"cmd {c.group(1)}"
             count, us = float(c.group(2)), float(c.group(3))
         elif p := _PHASE.match(rest):
             name, count, us = p.group(1).strip(), float(p.group(2)), float(p.group(3))
