@@ -14,7 +14,6 @@ import contextlib
 import http.client
 import json
 import socket
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -59,17 +58,32 @@ def supported(url: str) -> bool:
     return url.startswith(("unix://", "tcp://", "http://"))
 
 
-@lru_cache(maxsize=4)
+_connections: dict[str, http.client.HTTPConnection] = {}
+
+
 def _connection(url: str) -> http.client.HTTPConnection:
     """One keep-alive connection per service URL and process."""
-    if url.startswith("unix://"):
-        return _UnixConnection(url[len("unix://"):], TIMEOUT)
-    host, _, port = url.split("://", 1)[1].split("/", 1)[0].rpartition(":")
-    return http.client.HTTPConnection(host or "127.0.0.1", int(port or 80), timeout=TIMEOUT)
+    conn = _connections.get(url)
+    if conn is None:
+        if url.startswith("unix://"):
+            conn = _UnixConnection(url[len("unix://"):], TIMEOUT)
+        else:
+            host, _, port = url.split("://", 1)[1].split("/", 1)[0].rpartition(":")
+            conn = http.client.HTTPConnection(host or "127.0.0.1", int(port or 80), timeout=TIMEOUT)
+        _connections[url] = conn
+    return conn
+
+
+def _discard(url: str) -> None:
+    """Forget a connection whose state is unknown (closing alone keeps what was half-written to it)."""
+    conn = _connections.pop(url, None)
+    if conn is not None:
+        conn.close()
 
 
 def request(url: str, method: str, path: str, body: Any = None, timeout: float = TIMEOUT) -> tuple[int, Any]:
-    """One API call: (status, decoded JSON or None). Retries once on a connection the service closed."""
+    """One API call: (status, decoded JSON or None). Retries once on a connection the service closed or
+    an interrupted call left half-used."""
     payload = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"} if payload is not None else {}
     for attempt in (1, 2):
@@ -96,6 +110,16 @@ def request(url: str, method: str, path: str, body: Any = None, timeout: float =
         except OSError as exc:
             conn.close()
             raise ApirctlError(f"the Podman API at {url} did not answer ({exc})") from exc
+        except http.client.ImproperConnectionState as exc:
+            # left half-used by a call that was interrupted: a fresh connection asks again
+            _discard(url)
+            if attempt == 2:
+                raise ApirctlError(f"the Podman API at {url} did not answer ({type(exc).__name__})") from exc
+        except BaseException:
+            # interrupted mid-call (Ctrl-C): the reply may still come on this connection, so no later
+            # call may use it (every one would fail with "Request-sent", the removal of a container too)
+            _discard(url)
+            raise
     decoded = None
     if data:
         try:

@@ -105,3 +105,24 @@ def test_the_seam_both_ways(podman: str, llama_image: str, direct: bool) -> None
     with pytest.raises(ApirctlError, match="not found") as err:
         api.create(missing)
     assert err.value.hint and "apirctl setup" in err.value.hint
+
+
+@pytest.mark.integration
+def test_a_call_interrupted_mid_request_does_not_spoil_the_next(podman: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while a call waits for its answer (serve waiting for the model to load) left the kept-alive
+    connection mid-request, and every later call, the removal of the half-started container included,
+    failed with "Request-sent" (a container outlived Ctrl-C in CI). The calls after it get through."""
+    absent = f"apirctl-test-{uuid.uuid4().hex[:8]}"
+    assert not libpod.exists(podman, "containers", absent)  # the connection is open and kept
+    conn = libpod._connection(podman)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(conn, "getresponse", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        libpod.exists(podman, "containers", absent)  # sent, then interrupted before the answer
+    monkeypatch.undo()
+    assert not libpod.exists(podman, "containers", absent)
+    conn.putrequest("GET", "/half-sent")  # a connection left mid-request some other way
+    assert not libpod.exists(podman, "containers", absent)
