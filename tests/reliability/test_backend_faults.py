@@ -12,9 +12,8 @@ import json
 import os
 import signal
 import sys
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,17 +23,10 @@ import pytest
 
 from tests.reliability.test_serve_faults import exists, free_port, port_is_free
 from tests.support.sweep import REPO, Outcome, sweep
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 LINUX = {"APIRCTL_PLATFORM": "linux"}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-    return value
 
 
 def chat(url: str) -> httpx.Response:
@@ -148,7 +140,7 @@ def test_an_exited_server_is_offered_a_restart_on_a_terminal(backend: int, demo_
     wait_for("the backend to die", lambda: not rpc_server.is_backend_process(old.pid), 10)
     with contextlib.suppress(httpx.HTTPError):
         chat(url)  # llama-server finds the backend gone here, aborts, and its container exits
-    wait_for("the container to exit", lambda: ps_row_all(name)["state"] == "exited")
+    wait_for("the container to exit", lambda: ps_row_all(name)["state"] == "exited", 60)
     assert ps_row_all(name)["why"].startswith("exited (code ")
 
     restart = ("machine", "restart", "--remoting", "--port", str(backend), "--no-cache")

@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,14 +18,7 @@ from apirctl import resident
 from tests.support.openai_fake import FakeChatServer
 from tests.support.peers import Peer
 from tests.support.sweep import Outcome, sweep
-
-
-def poll(condition, timeout: float = 30.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+from tests.support.waiting import wait_for
 
 
 @pytest.fixture
@@ -47,7 +39,7 @@ def state() -> dict[str, object]:
 
 def started(env: dict[str, str] | None = None) -> dict[str, object]:
     sweep("--version", env=env).succeeds()
-    poll(lambda: state()["running"], 60, "the resident process")
+    wait_for("the resident process", lambda: state()["running"], 60)
     return state()
 
 
@@ -123,8 +115,8 @@ def test_a_resident_that_does_not_answer_is_bypassed_and_the_command_runs_once(
         os.kill(pid, signal.SIGCONT)
     assert "four" in out.stdout
     # Resumed, it takes the abandoned request; its child finds the caller gone and never runs it.
-    poll(lambda: state()["served"] == int(str(found["served"])) + 1, what="the late request")
-    poll(lambda: command_child(pid, tmp_path) is None, what="the abandoned child's exit")
+    wait_for("the late request", lambda: state()["served"] == int(str(found["served"])) + 1, 30)
+    wait_for("the abandoned child's exit", lambda: command_child(pid, tmp_path) is None, 30)
     assert len(server.requests) == 1
     server.stop()
 
@@ -135,13 +127,13 @@ def test_a_sigkilled_client_stops_its_command(run_dir: Path, tmp_path: Path, mon
     peer = Peer("endless").start()
     client = subprocess.Popen([sys.executable, "-m", "apirctl", "chat", "--url", peer.url, "--prompt", "go on"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
-    poll(lambda: peer.requests == 1, what="the chat request")
+    wait_for("the chat request", lambda: peer.requests == 1, 30)
     child = command_child(int(str(found["pid"])), tmp_path)
     assert child is not None, "the chat did not run in the resident process"
     client.kill()
     client.wait()
     assert peer.hung_up.wait(30), "the command went on streaming after its client was killed"
-    poll(lambda: not os.path.exists(f"/proc/{child}"), what="the command's exit")
+    wait_for("the command's exit", lambda: not os.path.exists(f"/proc/{child}"), 30)
     peer.stop()
 
 
@@ -150,7 +142,7 @@ def test_completion_works_with_the_resident_process_on(run_dir: Path, tmp_path: 
     """Completion finds the shell from apirctl's parent process: a shell here, as a user's is."""
     env = {**os.environ, "APIRCTL_RESIDENT": "1", "HOME": str(tmp_path), "SHELL": "/bin/bash"}
     sweep("--version", env=env).succeeds()
-    poll(lambda: state()["running"], 60, "the resident process")
+    wait_for("the resident process", lambda: state()["running"], 60)
     line = " ".join([sys.executable, "-m", "apirctl", option])
     done = subprocess.run(["bash", "-c", f"{line}; exit $?"], capture_output=True, text=True, env=env, timeout=60)
     out = Outcome((option,), done.returncode, done.stdout, done.stderr).succeeds()

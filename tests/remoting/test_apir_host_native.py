@@ -28,7 +28,8 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.support import build_servers
-from tests.support.build_servers import greedy_tokens, wait_for
+from tests.support.build_servers import greedy_tokens
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
 
@@ -171,8 +172,8 @@ def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | Non
                                 # a crash of the backend library (by design, in a child) is a signal, not a report
                                 env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:handle_segv=0"})
     try:
-        wait_for(lambda: b"apir-host: listening on" in log.read_bytes() or proc.poll() is not None, 60,
-                 "apir-host to listen")
+        wait_for("apir-host to listen",
+                 lambda: b"apir-host: listening on" in log.read_bytes() or proc.poll() is not None, 60)
         assert proc.poll() is None, log.read_text(errors="replace")
         yield proc, path, log
     finally:
@@ -207,7 +208,7 @@ def test_host_survives_hostile_clients_under_sanitizers(asan_host: Path, llama_b
             finally:
                 c.close()
             assert host.poll() is None, log.read_text(errors="replace")[-3000:]
-            wait_for(lambda: expect in log.read_text(errors="replace"), 30, expect)
+            wait_for(expect, lambda: expect in log.read_text(errors="replace"), 30)
 
         # framing: garbage, a bad magic, an unknown message type, a truncated header, a huge or tiny command
         dropped(lambda c: c.sock.sendall(os.urandom(4096)), "bad header")
@@ -303,7 +304,7 @@ def test_host_survives_hostile_clients_under_sanitizers(asan_host: Path, llama_b
         time.sleep(0.5)
         dying.kill()
         dying.wait()
-        wait_for(lambda: log.read_text(errors="replace").count("inside a command") >= 2, 30, "the dead client dropped")
+        wait_for("the dead client dropped", lambda: log.read_text(errors="replace").count("inside a command") >= 2, 30)
 
         # a command the backend library itself crashes on (an unknown buffer-type handle, docs/apir.md):
         # the child serving that client dies, the host lives on
@@ -313,8 +314,8 @@ def test_host_survives_hostile_clients_under_sanitizers(asan_host: Path, llama_b
         c.command(FORWARD, BUFFER_TYPE_GET_NAME, 1, struct.pack("<Q", 0xDEADBEEF000))
         assert c.closed_by_host()
         c.close()
-        wait_for(lambda: "the backend library crashed; serving the next client" in log.read_text(errors="replace"),
-                 30, "the crash reported")
+        wait_for("the crash reported",
+                 lambda: "the backend library crashed; serving the next client" in log.read_text(errors="replace"), 30)
 
         assert host.poll() is None
         good_session(path)
@@ -371,8 +372,8 @@ def test_same_greedy_tokens_native_and_through_apir_host(llama_build: llamacpp.B
         with llama_server(llama_build, demo_model, workdir, path) as (_, url, _log):
             remote = greedy_tokens(url)
         # the client is gone: the host ends its session by itself (before it is stopped, which would end it too)
-        wait_for(lambda: "client disconnected" in host_log.read_text(errors="replace"), 30,
-                 "the host to see its client go")
+        wait_for("the host to see its client go",
+                 lambda: "client disconnected" in host_log.read_text(errors="replace"), 30)
     assert remote == native
     # the generation ran on the host: a graph compute per token at least, through the trace
     calls = decode_trace(trace)

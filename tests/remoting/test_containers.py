@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from apirctl.machine import MachineState, RestartOptions
 from apirctl.podman import containers
 from apirctl.remoting import rpc_server
 from tests.remoting.conftest import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -40,16 +40,6 @@ def name(podman: str) -> Iterator[str]:
     yield value
     with contextlib.suppress(NotFound):
         engine.client().containers.get(value).remove(force=True)
-
-
-def wait_for(what: str, check, timeout: float = 120.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def test_a_container_reaches_the_backend_through_host_loopback(

@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from apirctl.build import llamacpp
-from tests.support.build_servers import greedy_tokens, llama_server, wait_for
+from tests.support.build_servers import greedy_tokens, llama_server
+from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
 
@@ -77,9 +78,9 @@ def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str]
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         if endpoint == "unix":
-            wait_for(lambda: path.exists() and connects(path), 60, "the rpc server's socket")
+            wait_for("the rpc server's socket", lambda: path.exists() and connects(path), 60)
         else:
-            wait_for(lambda: tcp_connects(port), 60, "the rpc server")
+            wait_for("the rpc server", lambda: tcp_connects(port), 60)
         yield proc, client, log
     finally:
         proc.kill()
@@ -202,7 +203,7 @@ def test_profile_gives_both_ends_per_token_with_one_backend_wait(llama_build, de
         assert done.returncode == 0, done.stderr[-2000:]
         # the server prints once it sees the client gone
         printed = re.compile(r"RPC profile \(server\): \d+ tokens")
-        wait_for(lambda: printed.search(server_log.read_text(errors="replace")) is not None, 30, "the server's profile")
+        wait_for("the server's profile", lambda: printed.search(server_log.read_text(errors="replace")) is not None, 30)
     client_log = workdir / "client.log"
     client_log.write_text(done.stderr)
     read = subprocess.run([sys.executable, str(PROFILE_SCRIPT), str(server_log), str(client_log), "--json"],
@@ -251,10 +252,10 @@ def test_killed_client_leaves_the_server_serving(llama_build, demo_model: Path, 
         client = subprocess.Popen([str(llama_build.binary("llama-bench")), "-m", str(demo_model), "--rpc", endpoint,
                                    "-ngl", "99", "-dev", "RPC0", "-p", "0", "-n", "2000", "-r", "1", "-t", "1"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: log.read_bytes().count(b"shared-memory transport") >= 3, 120, "the bench to be running")
+        wait_for("the bench to be running", lambda: log.read_bytes().count(b"shared-memory transport") >= 3, 120)
         client.kill()
         client.wait()
-        wait_for(lambda: log.read_bytes().endswith(b"Client connection closed\n"), 30, "the server to drop it")
+        wait_for("the server to drop it", lambda: log.read_bytes().endswith(b"Client connection closed\n"), 30)
         assert server.poll() is None
         bench_ok(llama_build, demo_model, endpoint)
 
@@ -289,12 +290,12 @@ def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_mode
                     m[RING0_HEAD:RING0_HEAD + 8] = struct.pack("<Q", len(frame))
             if i < 3:
                 closed = 4 + i + 1
-                wait_for(lambda n=closed: log.read_bytes().count(b"Client connection closed") >= n, 30,
-                         "the server to drop the hostile client")
+                wait_for("the server to drop the hostile client",
+                         lambda n=closed: log.read_bytes().count(b"Client connection closed") >= n, 30)
             os.close(fd)
             s.close()
             assert server.poll() is None, log.read_text(errors="replace")[-2000:]
-        wait_for(lambda: log.read_bytes().count(b"Client connection closed") >= 8, 30, "every hostile client dropped")
+        wait_for("every hostile client dropped", lambda: log.read_bytes().count(b"Client connection closed") >= 8, 30)
         assert server.poll() is None
         text = log.read_text(errors="replace")
         assert "not sealed against resizing" in text

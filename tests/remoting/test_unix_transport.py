@@ -19,11 +19,10 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -34,21 +33,11 @@ from apirctl.paths import dirs
 from apirctl.podman import containers, engine
 from apirctl.remoting import backends, rpc_client, rpc_server, transport
 from tests.remoting.conftest import free_port
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration
-T = TypeVar("T")
 PROMPT = "The capital of France is"
 GREEDY = {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "seed": 7, "return_tokens": True, "cache_prompt": False}
-
-
-def wait_for(what: str, check: Callable[[], T], timeout: float = 120.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

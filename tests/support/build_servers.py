@@ -8,21 +8,12 @@ import json
 import os
 import socket
 import subprocess
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 from apirctl.build import llamacpp
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.support.waiting import wait_for
 
 
 @contextlib.contextmanager
@@ -50,7 +41,7 @@ def llama_server(build: llamacpp.Build, model: Path, workdir: Path, offload: lis
             return False
 
     try:
-        wait_for(healthy, 180, "llama-server")
+        wait_for("llama-server", healthy, 180)
         yield proc, url, log
     finally:
         proc.kill()
