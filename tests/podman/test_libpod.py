@@ -119,10 +119,9 @@ def test_a_call_interrupted_mid_request_does_not_spoil_the_next(podman: str, mon
     def interrupted() -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(conn, "getresponse", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(conn, "getresponse", interrupted)  # (undo() would also undo the test's home)
         libpod.exists(podman, "containers", absent)  # sent, then interrupted before the answer
-    monkeypatch.undo()
     assert not libpod.exists(podman, "containers", absent)
-    conn.putrequest("GET", "/half-sent")  # a connection left mid-request some other way
+    libpod._connection(podman).putrequest("GET", "/half-sent")  # one left mid-request some other way
     assert not libpod.exists(podman, "containers", absent)
