@@ -121,6 +121,16 @@ def apir_per_token(records: list) -> dict:
     }
 
 
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """End a server the run started: SIGTERM (it prints its profile and closes), then SIGKILL after 10 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -307,12 +317,7 @@ class Runner:
                     time.sleep(0.2)
             yield
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
 
     def setup_veth(self) -> None:
         from pyroute2 import IPRoute, NetNS, netns
@@ -690,12 +695,7 @@ class Runner:
             if proc.poll() is not None:
                 raise RuntimeError(f"apir-host exited {proc.returncode} during the run (see {log_name})")
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
             fh.close()
             shutil.rmtree(private, ignore_errors=True)
 
