@@ -35,6 +35,10 @@ results.json is rewritten after every step, so a cut-off run still reports):
    client and the server (rpc_profile.py), before and after.
 8. `rings`: the shared-memory rings at 1, 2 and 8 MiB, three passes in turn between two native rows,
    and a profiled pp512 run (where a prompt batch's time goes).
+9. `shared` (issue 12): native against the rings alone (`GGML_RPC_NO_HOST_SHARE=1`, the behaviour before
+   llama_patches/ 0011) and the host buffers that the server maps (the logits straight from the device into
+   the client's memory, a prompt's inputs from it to the device); both orders; both ends profiled for
+   tg128 and pp512.
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -478,9 +482,58 @@ class Runner:
 
     # -- 2d. the server's hot path: pageable against staged copies, and both ends' timeline ---
     def hotpath(self, shape: str) -> None:
+        self.compare_rows(shape, "hotpath", {"shm_netns_pageable": {"GGML_RPC_NO_STAGING": "1"}, "shm_netns": {},
+                                             "shm_netns_ring8m": {"GGML_RPC_SHM_RING_MB": "8"}})
+
+    # -- 2f. host buffers shared with the server (llama_patches/ 0011) -------------------------
+    def shared(self, shape: str) -> None:
+        """The rings alone (`GGML_RPC_NO_HOST_SHARE=1`, patches 0001-0009) against the host buffers that the
+        server maps (patch 0011): the logits come from the device straight into the client's memory, a
+        prompt's inputs go from it to the device. Three passes, the rows' order swapped each pass and a
+        native row before, between and after them, so that drift falls on both rows alike; each row's
+        ratio is its mean over the passes against the mean of the native rows. Then both ends profiled
+        for tg128 and for pp512."""
         unix = f"unix:{self.work / 'rpc.sock'}"
-        rows = {"shm_netns_pageable": {"GGML_RPC_NO_STAGING": "1"}, "shm_netns": {},
-                "shm_netns_ring8m": {"GGML_RPC_SHM_RING_MB": "8"}}
+        rows = {"shm_rings": {"GGML_RPC_NO_HOST_SHARE": "1"}, "shm_shared": {}}
+        passes = 3
+        self.step(f"{shape}/native", self.bench, "native", shape, [])
+        for n in range(passes):
+            for key, env in (list(rows.items()) if n % 2 == 0 else list(reversed(rows.items()))):
+                with self.server(unix, env_extra=env):
+                    self.step(f"{shape}/{key}_{n}", self.bench, f"{key}_{n}", shape, ["--rpc", unix], NO_GPU | env,
+                              ISOLATED)
+            self.step(f"{shape}/native_{n}", self.bench, f"native_{n}", shape, [])
+        bench = self.results["bench"].get(shape, {})
+
+        def mean_ts(keys: list[str]) -> dict[str, float]:
+            per_test: dict[str, list[float]] = {}
+            for key in keys:
+                for r in bench.get(key, {}).get("rows", []):
+                    per_test.setdefault(self._test(r), []).append(r["avg_ts"])
+            return {t: sum(v) / len(v) for t, v in per_test.items()}
+
+        native = mean_ts(["native", *(f"native_{n}" for n in range(passes))])
+        summary: dict[str, dict] = {"native": {t: {"ts": round(v, 1), "ratio": 1.0} for t, v in native.items()}}
+        for key in rows:
+            for test, ts in mean_ts([f"{key}_{n}" for n in range(passes)]).items():
+                passes_ratio = [round(r["avg_ts"] / native[test], 3) for n in range(passes)
+                                for r in bench.get(f"{key}_{n}", {}).get("rows", []) if self._test(r) == test]
+                lost = round(1e3 / ts - 1e3 / native[test], 4) if test.startswith("tg") else None
+                summary.setdefault(key, {})[test] = {"ts": round(ts, 1), "ratio": round(ts / native[test], 3),
+                                                     "passes": passes_ratio, "lost_ms_per_token": lost}
+        self.results.setdefault("shared", {})[shape] = summary
+        self.save()
+        self.log(f"{shape} shared: {json.dumps(summary)}")
+        timelines = self.results.setdefault("timeline", {}).setdefault(shape, {})
+        for key, env in rows.items():
+            timelines[key] = self.profiled(shape, key, env, ("0", "128"), reps=1)
+            timelines[f"{key}_pp512"] = self.profiled(shape, f"{key}_pp", env, ("512", "0"))
+        self.save()
+
+    def compare_rows(self, shape: str, part: str, rows: dict[str, dict[str, str]]) -> None:
+        """Native, then each shared-memory row (its server's environment), all again in the opposite order
+        with native last, then a profiled tg128 run of both ends per row."""
+        unix = f"unix:{self.work / 'rpc.sock'}"
         if "native" not in self.results["bench"].get(shape, {}):
             self.step(f"{shape}/native", self.bench, "native", shape, [])
         for key, env in rows.items():
@@ -496,10 +549,10 @@ class Runner:
         for key, env in rows.items():
             timelines[key] = self.profiled(shape, key, env, ("0", "128"), reps=1)
         keys = ("native", *rows, *(f"{k}_b" for k in rows), "native_b", *(f"{k}_profile" for k in rows))
-        self.results.setdefault("hotpath", {})[shape] = self.against_native(shape, keys)
+        self.results.setdefault(part, {})[shape] = self.against_native(shape, keys)
         self.save()
-        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in self.results["hotpath"][shape].items()}
-        self.log(f"{shape} hotpath: {json.dumps(ratios)}")
+        ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in self.results[part][shape].items()}
+        self.log(f"{shape} {part}: {json.dumps(ratios)}")
 
     def profiled(self, shape: str, key: str, env: dict[str, str], tests: tuple[str, str],
                  reps: int | None = None) -> dict:
@@ -887,6 +940,9 @@ class Runner:
             if "hotpath" in parts:
                 self.hotpath(shape)
         for shape in self.args.shapes:
+            if "shared" in parts:
+                self.shared(shape)
+        for shape in self.args.shapes:
             if "rings" in parts:
                 self.rings(shape)
         for shape in self.args.shapes:
@@ -943,8 +999,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="+", default=["1b", "3b"])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
-                    help="which measurements to run, after the build: hotpath, rings, transport, apir, core, veth, "
-                         "trace, selftest, knobs, wire, knobs2, load")
+                    help="which measurements to run, after the build: hotpath, shared, rings, transport, apir, core, "
+                         "veth, trace, selftest, knobs, wire, knobs2, load")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0",
                     help="the device ggml-rpc-server serves; CPU: apir-host serves libggml-cpu, not libggml-cuda")

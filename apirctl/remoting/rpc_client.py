@@ -57,6 +57,11 @@ class Command(IntEnum):
     DEVICE_COUNT = 15
     GRAPH_RECOMPUTE = 16
     MEMSET_TENSOR = 17
+    # host buffers shared on shared-memory connections (llama_patches/ 0011)
+    SHARE_HOST_BUFFER = 18
+    UNSHARE_HOST_BUFFER = 19
+    SET_TENSOR_SHARED = 20
+    GET_TENSOR_SHARED = 21
 
 
 # Commands the server answers; the others are fire-and-forget (a tracer needs this to pair replies).
@@ -64,6 +69,7 @@ ANSWERED = frozenset({
     Command.ALLOC_BUFFER, Command.GET_ALIGNMENT, Command.GET_MAX_SIZE, Command.BUFFER_GET_BASE,
     Command.SET_TENSOR_HASH, Command.GET_TENSOR, Command.COPY_TENSOR, Command.GET_DEVICE_MEMORY,
     Command.GET_ALLOC_SIZE, Command.HELLO, Command.DEVICE_COUNT,
+    Command.SHARE_HOST_BUFFER, Command.SET_TENSOR_SHARED, Command.GET_TENSOR_SHARED,
 })
 
 

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -39,6 +39,11 @@ SHM_CAPS_MAGIC = 0x4D485352  # "RSHM", the HELLO capability of the shared-memory
 SHM_FILE_MAGIC = 0x4D485347  # "GSHM", the memfd's header
 RING = 64 * 1024
 RING0_HEAD = 256  # offset of ring 0's write position in the control page
+RING1_HEAD = 768  # and ring 1's (server to client)
+HOST_BUFFERS = 1  # the shm capability's feature bit: host buffers shared with the server (llama_patches/ 0011)
+# commands of the protocol (their numbers in ggml-rpc.cpp)
+ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR = 0, 3, 6, 8
+SHARE_HOST_BUFFER, UNSHARE_HOST_BUFFER, SET_TENSOR_SHARED, GET_TENSOR_SHARED = 18, 19, 20, 21
 PROFILE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rpc_profile.py"
 
 
@@ -107,8 +112,8 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     return data
 
 
-def shm_caps(ring: int = RING) -> bytes:
-    return struct.pack("<IIQQ", SHM_CAPS_MAGIC, 1, ring, 0)
+def shm_caps(ring: int = RING, features: int = 0) -> bytes:
+    return struct.pack("<IIQQ", SHM_CAPS_MAGIC, 1, ring, features)
 
 
 def sealed_memfd(ring: int = RING, size: int | None = None, seal: bool = True) -> int:
@@ -129,6 +134,68 @@ def shm_session(path: Path, fd: int) -> tuple[socket.socket, int]:
     assert struct.unpack_from("<I", answer, len(answer) - 24)[0] == SHM_CAPS_MAGIC  # the server offers it
     socket.send_fds(s, [b"F"], [fd])
     return s, recv_exact(s, 1)[0]
+
+
+def rpc_tensor(buffer: int, data: int, n_floats: int) -> bytes:
+    """ggml-rpc's packed rpc_tensor (296 bytes) for a 1-D F32 tensor at `data` in the server's `buffer`."""
+    row = 4 * n_floats
+    return struct.pack("<QIQ4I4II16ii10QQQQ64si", 1, 0, buffer, n_floats, 1, 1, 1, 4, row, row, row, 0, *[0] * 16,
+                       0, *[0] * 10, 0, 0, data, b"t", 0)
+
+
+class RingClient:
+    """The client's end of the shared-memory channel, spoken by hand: it writes requests into ring 0 and
+    reads replies from ring 1 (a session moves less than a ring, so neither wraps around)."""
+
+    def __init__(self, path: Path, features: int = HOST_BUFFERS) -> None:
+        self.fd = sealed_memfd()
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(str(path))
+        hello(self.sock, shm_caps(features=features))
+        socket.send_fds(self.sock, [b"F"], [self.fd])
+        assert recv_exact(self.sock, 1) == b"\x01"
+        self.mem = mmap.mmap(self.fd, 4096 + 2 * RING)
+        self.sent = self.read = 0
+
+    def close(self) -> None:
+        self.mem.close()
+        os.close(self.fd)
+        self.sock.close()
+
+    def send(self, cmd: int, payload: bytes) -> None:
+        frame = struct.pack("<BQ", cmd, len(payload)) + payload
+        self.mem[4096 + self.sent:4096 + self.sent + len(frame)] = frame
+        self.sent += len(frame)
+        struct.pack_into("<Q", self.mem, RING0_HEAD, self.sent)  # published after the bytes (x86 keeps the order)
+
+    def recv(self, n: int) -> bytes:
+        wait_for("the server's reply", lambda: struct.unpack_from("<Q", self.mem, RING1_HEAD)[0] >= self.read + n, 10,
+                 interval=0.001)
+        start = 4096 + RING + self.read
+        self.read += n
+        return bytes(self.mem[start:start + n])
+
+    def call(self, cmd: int, payload: bytes) -> bytes:
+        self.send(cmd, payload)
+        (size,) = struct.unpack("<Q", self.recv(8))
+        return self.recv(size)
+
+    def tensor(self, n_floats: int = 256) -> bytes:
+        """A tensor of n_floats in a new buffer of the server's CPU device."""
+        remote, _ = struct.unpack("<QQ", self.call(ALLOC_BUFFER, struct.pack("<IQ", 0, 4 * n_floats)))
+        (base,) = struct.unpack("<Q", self.call(BUFFER_GET_BASE, struct.pack("<Q", remote)))
+        return rpc_tensor(remote, base, n_floats)
+
+    def share(self, fd: int, size: int) -> int:
+        """SHARE_HOST_BUFFER with fd passed on the socket; the server's id for it (0: declined)."""
+        self.send(SHARE_HOST_BUFFER, struct.pack("<Q", size))
+        socket.send_fds(self.sock, [b"B"], [fd])
+        (size_,) = struct.unpack("<Q", self.recv(8))
+        return struct.unpack("<Q", self.recv(size_))[0]
+
+
+def shared_request(tensor: bytes, offset: int, size: int, buffer_id: int, buffer_offset: int) -> bytes:
+    return tensor + struct.pack("<QQQQ", offset, size, buffer_id, buffer_offset)
 
 
 def bench_ok(build, model: Path, endpoint: str) -> None:  # type: ignore[no-untyped-def]
@@ -181,20 +248,29 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         shm = greedy_tokens(url)
         assert b"RPC: shared-memory transport" in log.read_bytes()
+        # the logits and the inputs in host buffers that the server maps (llama_patches/ 0011)
+        assert b"shared host buffer 1: " in log.read_bytes()
+    # the rings alone, as before 0011
+    with rpc_server(llama_build, workdir, "unix", {"GGML_RPC_NO_HOST_SHARE": "1"}) as (_, endpoint, log), \
+            llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
+        rings = greedy_tokens(url)
+        assert b"shared host buffer" not in log.read_bytes()
     # the copies from and to pageable memory, as before the staging memory (llama_patches/ 0008)
     with rpc_server(llama_build, workdir, "unix", {"GGML_RPC_NO_STAGING": "1"}) as (_, endpoint, _log), \
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         pageable = greedy_tokens(url)
     assert tcp == native
     assert shm == native
+    assert rings == native
     assert pageable == native
 
 
 def test_profile_gives_both_ends_per_token_with_one_backend_wait(llama_build, demo_model: Path,
                                                                   workdir: Path) -> None:
     """GGML_RPC_PROFILE=1 on both ends (llama_patches/ 0008): every generated token is the same cycle of
-    inputs, one graph launch and one GET_TENSOR, with exactly one wait for the backend on the server,
-    and benchmarks/rpc_profile.py reads both ends' per-token timeline from one run."""
+    inputs, one graph launch and one GET_TENSOR_SHARED (the logits straight into the client's host buffer,
+    0011), with exactly one wait for the backend on the server, and benchmarks/rpc_profile.py reads both
+    ends' per-token timeline from one run."""
     profile = {"GGML_RPC_PROFILE": "1"}
     with rpc_server(llama_build, workdir, "unix", profile) as (_, endpoint, server_log):
         done = subprocess.run([str(llama_build.binary("llama-bench")), "-m", str(demo_model), *rpc_offload(endpoint),
@@ -213,11 +289,12 @@ def test_profile_gives_both_ends_per_token_with_one_backend_wait(llama_build, de
     server, client = timeline["server"], timeline["client"]
     assert server["tokens"] >= 8 and client["tokens"] == server["tokens"]
     s, c = server["entries"], client["entries"]
-    for name in ("GET_TENSOR", "GRAPH_RECOMPUTE", "backend wait", "reply send"):
+    for name in ("GET_TENSOR_SHARED", "GRAPH_RECOMPUTE", "backend wait", "reply send"):
         assert s[name]["per_token"] == 1.0, (name, s[name])
+    assert "GET_TENSOR" not in s and "GET_TENSOR" not in c  # the logits no longer cross the rings
     assert c["reply wait"]["per_token"] == c["reply data"]["per_token"] == 1.0
     assert s["SET_TENSOR"]["per_token"] == c["SET_TENSOR"]["per_token"] > 0
-    assert c["send"]["per_token"] == c["SET_TENSOR"]["per_token"] + 2  # and GRAPH_RECOMPUTE, GET_TENSOR
+    assert c["send"]["per_token"] == c["SET_TENSOR"]["per_token"] + 2  # and GRAPH_RECOMPUTE, GET_TENSOR_SHARED
     assert c["reply wait"]["us_per_token"] > 0 and s["waiting"]["us_per_token"] > 0
     # a log without a profile is said in one line and a hint, not a traceback
     unprofiled = workdir / "unprofiled.log"
@@ -301,6 +378,73 @@ def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_mode
         assert "not sealed against resizing" in text
         assert "not a file of the agreed size" in text
         assert "corrupted the ring's write position" in text
+        bench_ok(llama_build, demo_model, endpoint)
+
+
+def test_host_buffers_shared_with_the_server_and_hostile_requests(llama_build, demo_model: Path,
+                                                                  workdir: Path) -> None:
+    """llama_patches/ 0011 by hand: a tensor read from the device straight into a host buffer the server
+    maps, and written from one; buffers it must decline; and requests that reach outside a buffer or a
+    tensor, name no buffer, or announce a descriptor that never comes, each of which drops that client
+    and leaves the server serving."""
+    with rpc_server(llama_build, workdir) as (server, endpoint, log):
+        path = Path(endpoint.removeprefix("unix:"))
+        size = 64 * 1024
+        shared_fd = sealed_memfd(size=size)  # any sealed memfd will do; the server does not read a header
+        shared = mmap.mmap(shared_fd, size)
+        c = RingClient(path)
+        earlier = log.read_bytes().count(b"Client connection closed")  # the readiness probe's
+        tensor = c.tensor(256)
+        first, second = os.urandom(1024), os.urandom(1024)
+        c.send(SET_TENSOR, tensor + b"\0" + struct.pack("<Q", 0) + first)
+        buffer_id = c.share(shared_fd, size)
+        assert buffer_id > 0
+        assert c.call(GET_TENSOR_SHARED, shared_request(tensor, 0, 1024, buffer_id, 4096)) == b""
+        assert shared[4096:5120] == first  # the tensor's bytes landed in our memory, not in a reply
+        shared[8192:9216] = second
+        assert c.call(SET_TENSOR_SHARED, shared_request(tensor, 0, 1024, buffer_id, 8192)) == b""
+        assert c.call(GET_TENSOR, tensor + struct.pack("<QQ", 0, 1024)) == second
+        # declined, and the connection goes on: not sealed, not the announced size
+        unsealed = sealed_memfd(size=size, seal=False)
+        small = sealed_memfd(size=4096)
+        assert c.share(unsealed, size) == 0
+        assert c.share(small, size) == 0
+        assert c.call(GET_TENSOR, tensor + struct.pack("<QQ", 0, 4)) == second[:4]
+        c.send(UNSHARE_HOST_BUFFER, struct.pack("<Q", buffer_id))
+        assert c.call(GET_TENSOR, tensor + struct.pack("<QQ", 0, 4)) == second[:4]
+        c.close()
+        for fd in (unsealed, small):
+            os.close(fd)
+        wait_for("the server to see the client gone",
+                 lambda: log.read_bytes().count(b"Client connection closed") > earlier, 30)
+        text = log.read_text(errors="replace")
+        assert "not sealed against resizing" in text and "not a file of the announced size" in text
+
+        def hostile(request: Callable[[RingClient, bytes, int], None], features: int = HOST_BUFFERS) -> None:
+            closed = log.read_bytes().count(b"Client connection closed")
+            c = RingClient(path, features)
+            tensor = c.tensor(256)
+            buffer_id = c.share(shared_fd, size) if features else 0
+            request(c, tensor, buffer_id)
+            wait_for("the server to drop the hostile client",
+                     lambda: log.read_bytes().count(b"Client connection closed") > closed, 30)
+            c.close()
+            assert server.poll() is None, log.read_text(errors="replace")[-2000:]
+
+        for buffer_offset in (size - 512, (1 << 64) - 8):  # past the end; wrapping around
+            hostile(lambda c, t, i, o=buffer_offset: c.send(GET_TENSOR_SHARED, shared_request(t, 0, 1024, i, o)))
+        hostile(lambda c, t, i: c.send(SET_TENSOR_SHARED, shared_request(t, 0, 1024, i + 98, 0)))
+        hostile(lambda c, t, i: c.send(GET_TENSOR_SHARED, shared_request(t, 512, 1024, i, 0)))  # past the tensor
+        hostile(lambda c, t, i: c.send(UNSHARE_HOST_BUFFER, struct.pack("<Q", i + 98)))
+        hostile(lambda c, t, i: c.send(SHARE_HOST_BUFFER, struct.pack("<Q", size)))  # and no descriptor
+        hostile(lambda c, t, i: c.send(SHARE_HOST_BUFFER, struct.pack("<Q", size)), features=0)  # not agreed
+        text = log.read_text(errors="replace")
+        assert text.count("out of shared host buffer") == 2
+        assert "no shared host buffer 99" in text
+        assert "out of the tensor's 1024 bytes" in text
+        assert text.count("no host buffer descriptor after SHARE_HOST_BUFFER") == 2
+        shared.close()
+        os.close(shared_fd)
         bench_ok(llama_build, demo_model, endpoint)
 
 
