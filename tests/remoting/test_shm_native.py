@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from apirctl.build import llamacpp
+from tests.conftest import SHARED_CACHE, shared_env
 from tests.support.build_servers import greedy_tokens, llama_server
 from tests.support.waiting import wait_for
 
@@ -65,9 +66,9 @@ def tcp_connects(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str] | None = None
-               ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:  # type: ignore[no-untyped-def]
-    """A ggml-rpc-server on the CPU; yields (process, the client's endpoint, its log)."""
+def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str] | None = None,
+               binary: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:  # type: ignore[no-untyped-def]
+    """A ggml-rpc-server on the CPU (the build's, or `binary`); yields (process, the client's endpoint, its log)."""
     log = workdir / f"rpc-{endpoint}.log"
     port = 0
     if endpoint == "unix":
@@ -79,7 +80,7 @@ def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str]
             port = probe.getsockname()[1]
         host, client = ["-H", "127.0.0.1", "-p", str(port)], f"127.0.0.1:{port}"
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(build.binary("ggml-rpc-server")), *host, "-d", "CPU", "-t", "1"],
+        proc = subprocess.Popen([str(binary or build.binary("ggml-rpc-server")), *host, "-d", "CPU", "-t", "1"],
                                 stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
         if endpoint == "unix":
@@ -204,6 +205,49 @@ def bench_ok(build, model: Path, endpoint: str) -> None:  # type: ignore[no-unty
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)[0]["n_gen"] == 4
+
+
+@pytest.fixture(scope="module")
+def sanitized_rpc_server() -> Path:
+    """ggml-rpc-server of the patched source built with AddressSanitizer and UndefinedBehaviorSanitizer, and
+    with ggml's warnings as errors: the server parses every byte a container sends. A debug build of ggml
+    and the server alone (CPU backend; well under a minute on 2 cores), cached by the series' digest."""
+    if shutil.which("cmake") is None:
+        pytest.skip("no cmake")
+    with shared_env():
+        src = llamacpp.source_dir()
+        build_dir = SHARED_CACHE / "sanitized-rpc-server" / llamacpp.patches_digest()[:16]
+    exe = build_dir / "bin" / "ggml-rpc-server"
+    if not exe.exists():
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Debug",
+                     "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DGGML_RPC=ON",
+                     "-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON", "-DLLAMA_FATAL_WARNINGS=ON",
+                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+        for cmd in (configure, ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
+                                "--target", "ggml-rpc-server"]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return exe
+
+
+# where a sanitizer finding stops the server at once: the test then sees it gone, and the report in its log
+SANITIZED_ENV = {"ASAN_OPTIONS": "abort_on_error=1:detect_leaks=0",
+                 "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+
+
+@pytest.fixture(params=["release", "sanitized"])
+def server_binary(request: pytest.FixtureRequest, llama_build) -> tuple[Path, dict[str, str]]:  # type: ignore[no-untyped-def]
+    """The server the hostile tests attack: the build's, and the one built with the sanitizers."""
+    if request.param == "release":
+        return llama_build.binary("ggml-rpc-server"), {}
+    return request.getfixturevalue("sanitized_rpc_server"), SANITIZED_ENV
+
+
+def no_sanitizer_report(log: Path) -> None:
+    text = log.read_text(errors="replace")
+    assert "runtime error:" not in text and "Sanitizer" not in text, text[-3000:]
 
 
 @pytest.fixture
@@ -337,8 +381,10 @@ def test_killed_client_leaves_the_server_serving(llama_build, demo_model: Path, 
         bench_ok(llama_build, demo_model, endpoint)
 
 
-def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_model: Path, workdir: Path) -> None:
-    with rpc_server(llama_build, workdir) as (server, endpoint, log):
+def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_model: Path, workdir: Path,
+                                                          server_binary: tuple[Path, dict[str, str]]) -> None:
+    binary, env = server_binary
+    with rpc_server(llama_build, workdir, env=env, binary=binary) as (server, endpoint, log):
         path = Path(endpoint.removeprefix("unix:"))
         # garbage instead of HELLO, and a truncated HELLO
         for junk in (os.urandom(4096), bytes([HELLO]) + struct.pack("<Q", 24) + b"\0" * 5):
@@ -354,7 +400,10 @@ def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_mode
         # accepted memfds, then: a write position far beyond the ring, an unknown command, a
         # command whose payload size is absurd, and a truncated frame followed by a hang-up
         # (the server drops each of these by itself, except the truncated frame, which waits for us)
-        frames = [None, bytes([200]), bytes([6]) + struct.pack("<Q", 1 << 62), bytes([6]) + struct.pack("<Q", 1000)]
+        absurd = bytes([6]) + struct.pack("<Q", 1 << 62)
+        if env:  # AddressSanitizer aborts on an allocation that size where the server catches std::bad_alloc
+            absurd = bytes([201])
+        frames = [None, bytes([200]), absurd, bytes([6]) + struct.pack("<Q", 1000)]
         for i, frame in enumerate(frames):
             fd = sealed_memfd()
             s, ack = shm_session(path, fd)
@@ -379,15 +428,18 @@ def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_mode
         assert "not a file of the agreed size" in text
         assert "corrupted the ring's write position" in text
         bench_ok(llama_build, demo_model, endpoint)
+        assert server.poll() is None
+        no_sanitizer_report(log)
 
 
-def test_host_buffers_shared_with_the_server_and_hostile_requests(llama_build, demo_model: Path,
-                                                                  workdir: Path) -> None:
+def test_host_buffers_shared_with_the_server_and_hostile_requests(llama_build, demo_model: Path, workdir: Path,
+                                                                  server_binary: tuple[Path, dict[str, str]]) -> None:
     """llama_patches/ 0011 by hand: a tensor read from the device straight into a host buffer the server
     maps, and written from one; buffers it must decline; and requests that reach outside a buffer or a
     tensor, name no buffer, or announce a descriptor that never comes, each of which drops that client
     and leaves the server serving."""
-    with rpc_server(llama_build, workdir) as (server, endpoint, log):
+    binary, env = server_binary
+    with rpc_server(llama_build, workdir, env=env, binary=binary) as (server, endpoint, log):
         path = Path(endpoint.removeprefix("unix:"))
         size = 64 * 1024
         shared_fd = sealed_memfd(size=size)  # any sealed memfd will do; the server does not read a header
@@ -446,6 +498,8 @@ def test_host_buffers_shared_with_the_server_and_hostile_requests(llama_build, d
         shared.close()
         os.close(shared_fd)
         bench_ok(llama_build, demo_model, endpoint)
+        assert server.poll() is None
+        no_sanitizer_report(log)
 
 
 def test_a_second_client_is_queued_until_the_first_leaves(llama_build, workdir: Path) -> None:
