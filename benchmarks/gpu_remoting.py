@@ -489,13 +489,13 @@ class Runner:
     def shared(self, shape: str) -> None:
         """The rings alone (`GGML_RPC_NO_HOST_SHARE=1`, patches 0001-0009) against the host buffers that the
         server maps (patch 0011): the logits come from the device straight into the client's memory, a
-        prompt's inputs go from it to the device. Three passes, the rows' order swapped each pass and a
+        prompt's inputs go from it to the device. `--passes` passes (3), the rows' order swapped each pass and a
         native row before, between and after them, so that drift falls on both rows alike; each row's
         ratio is its mean over the passes against the mean of the native rows. Then both ends profiled
         for tg128 and for pp512."""
         unix = f"unix:{self.work / 'rpc.sock'}"
         rows = {"shm_rings": {"GGML_RPC_NO_HOST_SHARE": "1"}, "shm_shared": {}}
-        passes = 3
+        passes = self.args.passes
         self.step(f"{shape}/native", self.bench, "native", shape, [])
         for n in range(passes):
             for key, env in (list(rows.items()) if n % 2 == 0 else list(reversed(rows.items()))):
@@ -1001,6 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
                     help="which measurements to run, after the build: hotpath, shared, rings, transport, apir, core, "
                          "veth, trace, selftest, knobs, wire, knobs2, load")
+    ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0",
                     help="the device ggml-rpc-server serves; CPU: apir-host serves libggml-cpu, not libggml-cuda")
