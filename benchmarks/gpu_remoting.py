@@ -936,21 +936,12 @@ class Runner:
             self.step("veth", self.setup_veth, need=0)
         self.step("slirp4netns", self.setup_slirp, need=0)
         parts = set(self.args.parts)
-        for shape in self.args.shapes:
-            if "hotpath" in parts:
-                self.hotpath(shape)
-        for shape in self.args.shapes:
-            if "shared" in parts:
-                self.shared(shape)
-        for shape in self.args.shapes:
-            if "rings" in parts:
-                self.rings(shape)
-        for shape in self.args.shapes:
-            if "transport" in parts:
-                self.transport(shape)
-        for shape in self.args.shapes:
-            if "core" in parts:
-                self.core(shape)
+        # each part over all shapes, in this order
+        for part, measure in (("hotpath", self.hotpath), ("shared", self.shared), ("rings", self.rings),
+                              ("transport", self.transport), ("core", self.core)):
+            if part in parts:
+                for shape in self.args.shapes:
+                    measure(shape)
         for shape in self.args.shapes:
             if "trace" in parts:
                 self.step(f"{shape}/trace", self.trace, shape, need=40)
