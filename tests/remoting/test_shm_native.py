@@ -294,6 +294,13 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
         assert b"RPC: shared-memory transport" in log.read_bytes()
         # the logits and the inputs in host buffers that the server maps (llama_patches/ 0011)
         assert b"shared host buffer 1: " in log.read_bytes()
+    # weights read from the file, not mapped (--load-mode none): llama.cpp uploads them through staging
+    # buffers of the host buffer type, so they go from shared memory to the device (SET_TENSOR_SHARED)
+    with rpc_server(llama_build, workdir, "unix") as (_, endpoint, log), \
+            llama_server(llama_build, demo_model, workdir,
+                         [*rpc_offload(endpoint), "--load-mode", "none"]) as (_, url, _log2):
+        uploaded = greedy_tokens(url)
+        assert log.read_bytes().count(b"shared host buffer") >= 4  # the loader's staging buffers, then more
     # the rings alone, as before 0011
     with rpc_server(llama_build, workdir, "unix", {"GGML_RPC_NO_HOST_SHARE": "1"}) as (_, endpoint, log), \
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
@@ -305,6 +312,7 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
         pageable = greedy_tokens(url)
     assert tcp == native
     assert shm == native
+    assert uploaded == native
     assert rings == native
     assert pageable == native
 
