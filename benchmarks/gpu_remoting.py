@@ -477,6 +477,7 @@ class Runner:
                 if "RPC profile (server): " in line]
         summary = self.against_native(shape)
         self.results.setdefault("transport", {})[shape] = summary
+        self.save()
         ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in summary.items()}
         self.log(f"{shape} transport: {json.dumps(ratios)}")
 
