@@ -165,6 +165,8 @@ def test_two_remoting_containers_each_on_a_backend_of_its_own(
     assert instance_of(first.server.id).directory != instance_of(second.server.id).directory
     answers = [chat(s.server.base)["choices"][0]["message"]["content"] for s in (first, second)]
     assert all(answer.strip() for answer in answers), answers  # both answer at once
+    for started in (first, second):  # across the container boundary, its backend maps its host buffers too
+        assert b"shared host buffer 1: " in Path(instance_of(started.server.id).log).read_bytes()
 
     status = rpc_server.status()
     assert status.state == MachineState.SERVING and set(names) <= set(status.details["serving"].split(", "))
