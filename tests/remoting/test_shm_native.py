@@ -127,11 +127,11 @@ def sealed_memfd(ring: int = RING, size: int | None = None, seal: bool = True) -
     return fd
 
 
-def shm_session(path: Path, fd: int) -> tuple[socket.socket, int]:
+def shm_session(path: Path, fd: int, features: int = 0) -> tuple[socket.socket, int]:
     """HELLO with the shared-memory capability, then pass fd; returns the socket and the server's ack."""
     s = socket.socket(socket.AF_UNIX)
     s.connect(str(path))
-    answer = hello(s, shm_caps())
+    answer = hello(s, shm_caps(features=features))
     assert struct.unpack_from("<I", answer, len(answer) - 24)[0] == SHM_CAPS_MAGIC  # the server offers it
     socket.send_fds(s, [b"F"], [fd])
     return s, recv_exact(s, 1)[0]
@@ -150,11 +150,8 @@ class RingClient:
 
     def __init__(self, path: Path, features: int = HOST_BUFFERS) -> None:
         self.fd = sealed_memfd()
-        self.sock = socket.socket(socket.AF_UNIX)
-        self.sock.connect(str(path))
-        hello(self.sock, shm_caps(features=features))
-        socket.send_fds(self.sock, [b"F"], [self.fd])
-        assert recv_exact(self.sock, 1) == b"\x01"
+        self.sock, ack = shm_session(path, self.fd, features)
+        assert ack == 1
         self.mem = mmap.mmap(self.fd, 4096 + 2 * RING)
         self.sent = self.read = 0
 
@@ -164,9 +161,12 @@ class RingClient:
         self.sock.close()
 
     def send(self, cmd: int, payload: bytes) -> None:
-        frame = struct.pack("<BQ", cmd, len(payload)) + payload
-        self.mem[4096 + self.sent:4096 + self.sent + len(frame)] = frame
-        self.sent += len(frame)
+        self.write(struct.pack("<BQ", cmd, len(payload)) + payload)
+
+    def write(self, data: bytes) -> None:
+        """Any bytes into ring 0, then its write position."""
+        self.mem[4096 + self.sent:4096 + self.sent + len(data)] = data
+        self.sent += len(data)
         struct.pack_into("<Q", self.mem, RING0_HEAD, self.sent)  # published after the bytes (x86 keeps the order)
 
     def recv(self, n: int) -> bytes:
@@ -413,21 +413,16 @@ def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_mode
             absurd = bytes([201])
         frames = [None, bytes([200]), absurd, bytes([6]) + struct.pack("<Q", 1000)]
         for i, frame in enumerate(frames):
-            fd = sealed_memfd()
-            s, ack = shm_session(path, fd)
-            assert ack == 1
-            with mmap.mmap(fd, 4096 + 2 * RING) as m:
-                if frame is None:
-                    m[RING0_HEAD:RING0_HEAD + 8] = struct.pack("<Q", 1 << 40)
-                else:
-                    m[4096:4096 + len(frame)] = frame
-                    m[RING0_HEAD:RING0_HEAD + 8] = struct.pack("<Q", len(frame))
+            c = RingClient(path, features=0)
+            if frame is None:
+                struct.pack_into("<Q", c.mem, RING0_HEAD, 1 << 40)
+            else:
+                c.write(frame)
             if i < 3:
                 closed = 4 + i + 1
                 wait_for("the server to drop the hostile client",
                          lambda n=closed: log.read_bytes().count(b"Client connection closed") >= n, 30)
-            os.close(fd)
-            s.close()
+            c.close()
             assert server.poll() is None, log.read_text(errors="replace")[-2000:]
         wait_for("every hostile client dropped", lambda: log.read_bytes().count(b"Client connection closed") >= 8, 30)
         assert server.poll() is None
