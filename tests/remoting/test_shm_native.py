@@ -207,29 +207,47 @@ def bench_ok(build, model: Path, endpoint: str) -> None:  # type: ignore[no-unty
     assert json.loads(done.stdout)[0]["n_gen"] == 4
 
 
-@pytest.fixture(scope="module")
-def sanitized_rpc_server() -> Path:
-    """ggml-rpc-server of the patched source built with AddressSanitizer and UndefinedBehaviorSanitizer, and
-    with ggml's warnings as errors: the server parses every byte a container sends. A debug build of ggml
-    and the server alone (CPU backend; well under a minute on 2 cores), cached by the series' digest."""
+def build_rpc_server(name: str, options: list[str]) -> Path:
+    """ggml-rpc-server of the patched source in a debug build of ggml and the server alone (CPU backend,
+    ggml's warnings as errors; well under a minute on 2 cores), cached by the series' digest."""
     if shutil.which("cmake") is None:
         pytest.skip("no cmake")
     with shared_env():
         src = llamacpp.source_dir()
-        build_dir = SHARED_CACHE / "sanitized-rpc-server" / llamacpp.patches_digest()[:16]
+        build_dir = SHARED_CACHE / name / llamacpp.patches_digest()[:16]
     exe = build_dir / "bin" / "ggml-rpc-server"
     if not exe.exists():
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Debug",
                      "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DGGML_RPC=ON",
-                     "-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON", "-DLLAMA_FATAL_WARNINGS=ON",
-                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-                     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+                     "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                     "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
         for cmd in (configure, ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
                                 "--target", "ggml-rpc-server"]):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return exe
+
+
+def test_a_server_without_the_shared_memory_transport(llama_build, demo_model: Path, workdir: Path) -> None:
+    """Where the shared-memory transport is off (macOS, Windows: GGML_RPC_SHM=OFF) the patched ggml-rpc
+    still compiles without a warning (a Linux-only call outside its guard once broke that), and a client
+    that offers shared memory and host buffers stays on its Unix socket with it and runs."""
+    exe = build_rpc_server("rpc-server-no-shm", ["-DGGML_RPC_SHM=OFF"])
+    with rpc_server(llama_build, workdir, binary=exe) as (server, endpoint, log):
+        bench_ok(llama_build, demo_model, endpoint)
+        assert server.poll() is None
+        text = log.read_text(errors="replace")
+        assert "Accepted client connection" in text
+        assert "shared-memory transport" not in text and "shared host buffer" not in text
+
+
+@pytest.fixture(scope="module")
+def sanitized_rpc_server() -> Path:
+    """ggml-rpc-server built with AddressSanitizer and UndefinedBehaviorSanitizer: the server parses every
+    byte a container sends."""
+    return build_rpc_server("sanitized-rpc-server", ["-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON"])
 
 
 # where a sanitizer finding stops the server at once: the test then sees it gone, and the report in its log
