@@ -18,6 +18,8 @@ from apirctl.apir import protocol
 
 GET_CONFIG = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32, ctypes.c_char_p)
 GET_SHMEM_PTR = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32)
+#: `apir_shmem_size_fn`: what apirctl's library asks to bound every transfer by its resource.
+GET_SHMEM_SIZE = ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint32)
 
 
 class Callbacks(ctypes.Structure):
@@ -44,6 +46,13 @@ class Host:
         self._cb_config = GET_CONFIG(self._get_config)
         self._cb_shmem = GET_SHMEM_PTR(self._get_shmem_ptr)
         self.callbacks = Callbacks(self._cb_config, self._cb_shmem)
+        self._cb_size = GET_SHMEM_SIZE(self._get_shmem_size)
+        # apirctl's library (llama_patches) takes the resources' sizes; upstream's has no such entry
+        register = getattr(self.lib, "apir_backend_set_shmem_size_callback", None)
+        if register is not None:
+            register.restype = None
+            register.argtypes = [GET_SHMEM_SIZE]
+            register(self._cb_size)
 
         self.lib.apir_backend_initialize.restype = ctypes.c_uint32
         self.lib.apir_backend_initialize.argtypes = [ctypes.c_uint32, ctypes.POINTER(Callbacks)]
@@ -61,6 +70,10 @@ class Host:
 
     def _get_shmem_ptr(self, ctx_id: int, res_id: int) -> int | None:
         return self._addr.get(res_id)
+
+    def _get_shmem_size(self, ctx_id: int, res_id: int) -> int:
+        mem = self.shmem.get(res_id)
+        return len(mem) if mem is not None else 0
 
     # ---- shared resources (virtio-gpu blobs in the real system) ----
 

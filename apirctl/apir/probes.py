@@ -1,10 +1,11 @@
-"""Malformed commands sent to the real backend library: which it rejects, which crash it.
+"""Hostile commands sent to the real backend library: each must be refused, and the library live on.
 
 Each probe starts a fresh child process (see `session`), sets up what it needs with valid calls, then
-sends one malformed command. The outcome is `rejected` (a non-zero return code), `accepted` (it
-answered 0, whatever it did), or `crashed` (the child died: which signal). `expected` records what
-the pinned upstream version does, so a test notices when upstream changes; docs/apir.md explains the
-findings. `apirctl backend probe` runs them against any backend/GGML library pair.
+sends one malformed or hostile command. The outcome is `rejected` (a non-zero return code), `accepted`
+(it answered 0, whatever it did), or `crashed` (the child died: which signal). `expected` records what
+apirctl's patched library does (llama_patches: guest objects are ids, every tensor and range is
+checked), so a test notices any regression; docs/apir.md keeps the table, with what upstream's library
+did. `apirctl backend probe` runs them against any backend/GGML library pair, upstream's included.
 """
 
 from __future__ import annotations
@@ -239,6 +240,44 @@ def p_graph_unknown_op(ctx: Ctx) -> None:
         "backend_graph_compute", res_id=ctx.shmem, graph_size=len(g)))
 
 
+def p_read_host_address(ctx: Ctx) -> None:
+    # An arbitrary read: a tensor without a buffer whose data is an address, copied into shared memory.
+    t = _rpc(ctx, buffer=0, data=ctx.base + 8)
+    msg = messages.encode_request("buffer_get_tensor", buffer=ctx.buffer, tensor=t, res_id=ctx.shmem, offset=0,
+                                  size=8)
+    _send(ctx, "buffer_get_tensor", msg, f"data {ctx.base + 8:#x} as an address")
+
+
+def p_forged_interface_free(ctx: Ctx) -> None:
+    # Upstream's buffer handle was the address of the host's buffer object, whose first member is its
+    # interface: overwrite it through a tensor without a buffer, then have the host call through it.
+    ctx.proc.shmem_write(ctx.shmem, (0x4141414141414141).to_bytes(8, "little"))
+    t = _rpc(ctx, buffer=0, data=ctx.buffer)
+    ret, _, _ = ctx.proc.dispatch_raw(table.by_name("buffer_set_tensor").index, _set(ctx, t, ctx.shmem, 0, 8))
+    free = messages.encode_request("buffer_free_buffer", buffer=ctx.buffer)
+    freed, _, _ = ctx.proc.dispatch_raw(table.by_name("buffer_free_buffer").index, free)
+    raise Sent(ret, f"the buffer was then freed normally (answer {freed})")
+
+
+def p_fake_buffer_type_in_shmem(ctx: Ctx) -> None:
+    # A fake buffer-type interface in the guest's own shared memory, named by the address the host
+    # gave for that memory: upstream's host casts a buffer-type handle and calls through it.
+    ctx.proc.shmem_write(ctx.shmem, (0x4242424242424242).to_bytes(8, "little") * 16)
+    _send(ctx, "buffer_type_get_name", messages.encode_request("buffer_type_get_name", buft=ctx.base),
+          f"handle {ctx.base:#x}")
+
+
+def p_graph_shape_mismatch(ctx: Ctx) -> None:
+    # A matrix product whose operands do not fit: backends assert on it rather than check it.
+    a = tensor.Tensor((4, 2), name="a", buffer=ctx.buffer, offset=0)
+    b = tensor.Tensor((3, 2), name="b", buffer=ctx.buffer, offset=64)
+    n = tensor.Tensor((2, 2), op=tensor.OP_MUL_MAT, src=[a, b], name="ab", buffer=ctx.buffer, offset=128)
+    g = tensor.Graph([n]).serialize()
+    ctx.proc.shmem_write(ctx.shmem, g)
+    _send(ctx, "backend_graph_compute", messages.encode_request(
+        "backend_graph_compute", res_id=ctx.shmem, graph_size=len(g)), "mul_mat of 4 x 2 by 3 x 2")
+
+
 def _graph(ctx: Ctx) -> bytes:
     a = tensor.Tensor((4,), name="a", buffer=ctx.buffer, offset=0)
     b = tensor.Tensor((4,), name="b", buffer=ctx.buffer, offset=64)
@@ -257,7 +296,7 @@ class Probe:
 
 
 PROBES: tuple[Probe, ...] = (
-    Probe("before-init", "a forwarded call before apir_backend_initialize", p_before_init, "crashed", init=False),
+    Probe("before-init", "a forwarded call before apir_backend_initialize", p_before_init, "rejected", init=False),
     Probe("index-past-table", "command index 23 (one past the table)", p_index_past_table, "rejected"),
     Probe("index-max", "command index 0xffffffff", p_index_max, "rejected"),
     Probe("double-init", "apir_backend_initialize twice", p_double_init, "rejected",
@@ -269,37 +308,45 @@ PROBES: tuple[Probe, ...] = (
           p_free_shared, "accepted"),
     Probe("get-base-empty", "buffer_get_base with an empty request", p_get_base_empty, "rejected"),
     Probe("reply-too-small", "device_get_description answered into a 4-byte reply area", p_reply_too_small,
-          "accepted"),
+          "rejected"),
     Probe("buffer-type-unknown-handle", "buffer_type_get_name with a handle never given out",
-          p_buft_unknown_handle, "crashed"),
+          p_buft_unknown_handle, "rejected"),
     Probe("buffer-type-empty", "buffer_type_get_alignment with an empty request (handle reads as 0)",
-          p_buft_empty, "crashed"),
-    Probe("supports-op-empty", "device_supports_op with an empty request", p_supports_op_empty, "crashed"),
+          p_buft_empty, "rejected"),
+    Probe("supports-op-empty", "device_supports_op with an empty request", p_supports_op_empty, "rejected"),
     Probe("supports-op-source-pointer", "device_supports_op whose source tensor carries a foreign buffer pointer",
-          p_supports_op_source_pointer, "crashed"),
+          p_supports_op_source_pointer, "accepted"),
     Probe("set-tensor-truncated", "buffer_set_tensor cut inside the tensor", p_set_tensor_truncated, "rejected"),
     Probe("set-tensor-unknown-resource", "buffer_set_tensor naming a shared resource that does not exist",
           p_set_tensor_unknown_res, "rejected"),
     Probe("tensor-data-past-buffer", "a tensor whose data offset lies past its buffer's end",
-          p_set_tensor_data_past_buffer, "crashed"),
+          p_set_tensor_data_past_buffer, "rejected"),
     Probe("set-tensor-past-tensor", "buffer_set_tensor writing 3 KiB into a 64-byte tensor",
-          p_set_tensor_size_past_tensor, "accepted"),
+          p_set_tensor_size_past_tensor, "rejected"),
     Probe("set-tensor-past-buffer", "buffer_set_tensor writing 64 MiB into a 4 KiB buffer",
-          p_set_tensor_size_past_buffer, "crashed"),
+          p_set_tensor_size_past_buffer, "rejected"),
     Probe("get-tensor-past-shmem", "buffer_get_tensor reading 64 MiB into 4 KiB of shared memory",
-          p_get_tensor_size_past_shmem, "crashed"),
+          p_get_tensor_size_past_shmem, "rejected"),
     Probe("tensor-without-buffer", "a tensor naming no buffer: its data offset is used as a host address",
-          p_tensor_without_buffer_points_anywhere, "accepted"),
+          p_tensor_without_buffer_points_anywhere, "rejected"),
     Probe("tensor-unknown-buffer", "a tensor naming a buffer never given out, data 0x10",
-          p_tensor_unknown_buffer, "crashed"),
+          p_tensor_unknown_buffer, "rejected"),
     Probe("buffer-from-ptr-oversized", "device_buffer_from_ptr of 1 GiB over a 4 KiB resource, then a write",
-          p_buffer_from_ptr_oversized, "crashed"),
+          p_buffer_from_ptr_oversized, "rejected"),
     Probe("graph-size-zero", "backend_graph_compute with graph_size 0", p_graph_size_zero, "rejected"),
     Probe("graph-size-past-shmem", "backend_graph_compute whose graph_size exceeds the resource",
-          p_graph_size_past_shmem, "crashed"),
-    Probe("graph-truncated", "backend_graph_compute with the graph cut short", p_graph_truncated, "crashed"),
-    Probe("graph-dangling-node", "a graph whose node id names no tensor", p_graph_dangling_node, "crashed"),
-    Probe("graph-unknown-op", "a graph node with op 100000", p_graph_unknown_op, "crashed"),
+          p_graph_size_past_shmem, "rejected"),
+    Probe("graph-truncated", "backend_graph_compute with the graph cut short", p_graph_truncated, "rejected"),
+    Probe("graph-dangling-node", "a graph whose node id names no tensor", p_graph_dangling_node, "rejected"),
+    Probe("graph-unknown-op", "a graph node with op 100000", p_graph_unknown_op, "rejected"),
+    Probe("read-host-address", "buffer_get_tensor of a tensor without a buffer whose data is an address",
+          p_read_host_address, "rejected"),
+    Probe("forged-interface-free", "8 bytes written over a buffer object's interface, then buffer_free_buffer",
+          p_forged_interface_free, "rejected"),
+    Probe("fake-buffer-type-in-shmem", "a buffer-type handle naming a fake interface table in shared memory",
+          p_fake_buffer_type_in_shmem, "rejected"),
+    Probe("graph-shape-mismatch", "a graph whose matrix product has operands that do not fit",
+          p_graph_shape_mismatch, "rejected"),
 )
 
 _LIBS: tuple[Path, Path, str] = (Path(), Path(), "")

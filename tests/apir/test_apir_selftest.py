@@ -79,10 +79,11 @@ def test_on_macos_the_active_bundle_is_the_default(backend_libs: Libs, monkeypat
     assert bundle.backend_libraries() == (bin_dir / lib.name, bin_dir / ggml.name, reg)
 
 
-def test_library_prints_do_not_corrupt_the_framing(backend_libs: Libs) -> None:
-    # An unknown buffer makes the library printf to stdout; the child sends that to stderr.
+def test_an_unknown_buffer_is_refused_and_the_library_lives_on(backend_libs: Libs) -> None:
+    # upstream's library printed "HOST BUFFER NOT FOUND" and wrote through the tensor's data as an
+    # address (docs/apir.md); apirctl's refuses the call, and answers the next one
     result = probes.run_probe(next(p for p in probes.PROBES if p.name == "tensor-unknown-buffer"), *backend_libs)
-    assert result.outcome == "crashed" and "HOST BUFFER NOT FOUND" in tail(result.stderr, telling=CRASH_WORDS)
+    assert result.outcome == "rejected", result.detail
     with BackendProcess() as proc:
         assert proc.initialize(*backend_libs) == 6
         assert proc.call("device_get_name")[0]["name"] == "CPU"
@@ -131,8 +132,9 @@ def test_docs_list_every_probe() -> None:
         assert f"`{p.name}`" in doc
 
 
-def test_graph_compute_leaks_host_memory_upstream_finding(backend_libs: Libs) -> None:
-    # Finding (docs/apir.md): every graph compute leaks the ggml context it deserializes into.
+def test_graph_computes_do_not_grow_the_host(backend_libs: Libs) -> None:
+    # upstream's library leaked the ggml context of every call (about 2.4 KB per graph compute);
+    # 10,000 calls must now grow the host by less than 1 MB
     from apirctl.apir.graph_check import matmul_add_case
 
     with BackendProcess() as proc:
@@ -143,11 +145,12 @@ def test_graph_compute_leaks_host_memory_upstream_finding(backend_libs: Libs) ->
         graph = case.graph.serialize()
         res = proc.shmem(len(graph))
         proc.shmem_write(res, graph)
-        proc.call("backend_graph_compute", repeat=200, res_id=res, graph_size=len(graph))  # warm up allocators
+        # warm up the allocators, and the child's list of 10,000 latencies (Python keeps its memory)
+        proc.call("backend_graph_compute", repeat=10_000, res_id=res, graph_size=len(graph))
         before = proc.rss_kb()
-        proc.call("backend_graph_compute", repeat=3000, res_id=res, graph_size=len(graph))
+        proc.call("backend_graph_compute", repeat=10_000, res_id=res, graph_size=len(graph))
         grown = (proc.rss_kb() - before) * 1024
-    assert grown > 3000 * 1024  # more than 1 KiB per call, never given back
+    assert grown < 1 << 20, f"grew by {grown} bytes"
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -183,17 +186,16 @@ def test_a_hung_call_is_killed_and_reported(backend_libs: Libs) -> None:
     assert "hung" in str(info.value)
 
 
-def test_reply_overrun_is_measured(backend_libs: Libs) -> None:
-    # Finding (docs/apir.md): the host writes a reply past the reply area it was given.
+def test_a_reply_area_too_small_is_refused_not_overrun(backend_libs: Libs) -> None:
+    # upstream's encoder wrote a reply past the reply area it was given (docs/apir.md)
     with BackendProcess() as proc:
         assert proc.initialize(*backend_libs) == 6
         name = proc.call("device_get_description")[0]["description"]
         fn = table.by_name("device_get_description")
         ret, _, _, overrun = proc.dispatch_limited(fn.index, b"", reply_limit=4)
-        assert ret == 0
-        assert overrun == 8 + (len(name.encode()) + 1 + 3) // 4 * 4 - 4  # length + padded text, minus the 4 allowed
+        assert ret == 1 and overrun == 0
         ret, reply, _, overrun = proc.dispatch_limited(fn.index, b"", reply_limit=1024)
-        assert overrun == 0 and len(reply) == 8 + (len(name.encode()) + 1 + 3) // 4 * 4
+        assert ret == 0 and overrun == 0 and len(reply) == 8 + (len(name.encode()) + 1 + 3) // 4 * 4
 
 
 def test_a_file_that_is_not_a_backend_library_is_reported(backend_libs: Libs, tmp_path: Path) -> None:
