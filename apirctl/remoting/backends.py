@@ -51,6 +51,8 @@ CONTAINER_ENDPOINT = f"{rpc_client.UNIX_PREFIX}{CONTAINER_DIR}/{SOCKET_NAME}"
 #: What the patched server logs when a client's connection moved to shared memory.
 SHM_LOG_LINE = "RPC: shared-memory transport"
 READY_TIMEOUT = 60.0
+#: The patched server's cap on the host memory one client shares with it (and that it may pin).
+SHM_CAP_ENV = "GGML_RPC_SHM_CAP"
 STOP_TIMEOUT = 10.0
 
 # Popen objects of backends this process started, so that their exit is reaped (no zombies
@@ -121,10 +123,11 @@ def cache_dir() -> Path:
 
 
 def spawn(build: Build, listen: list[str], log: Path, device: str | None, threads: int | None,
-          cache: bool) -> subprocess.Popen[bytes]:
+          cache: bool, shm_cap: int | None = None) -> subprocess.Popen[bytes]:
     """Start the server in its own session with its output appended to `log`.
 
-    `listen` is its address flags (`-H 127.0.0.1 -p PORT`, or `-H unix:PATH`).
+    `listen` is its address flags (`-H 127.0.0.1 -p PORT`, or `-H unix:PATH`). `shm_cap` bounds the
+    bytes of host memory its client may share with it (None: the server's default, 4 GiB).
     """
     args = [str(build.binary(BINARY)), *listen]
     if device:
@@ -132,6 +135,9 @@ def spawn(build: Build, listen: list[str], log: Path, device: str | None, thread
     if threads:
         args += ["-t", str(threads)]
     env = dict(os.environ)
+    env.pop(SHM_CAP_ENV, None)
+    if shm_cap is not None:
+        env[SHM_CAP_ENV] = str(shm_cap)
     if cache:
         args.append("-c")
         env["LLAMA_CACHE"] = str(ensure(cache_dir()))
@@ -239,9 +245,17 @@ def _owner_alive(instance: Instance) -> bool:
                                                                  or state[1] == instance.owner_start)
 
 
+def shm_cap(memory_limit: int | None) -> int | None:
+    """The cap on the host memory a container's backend maps and pins for it: the container's own
+    memory limit in bytes (Podman's `--memory`; 0 or None is no limit, and keeps the server's default).
+    The memory is the container's, but the server maps it, and pinned it is charged to the host."""
+    return memory_limit if memory_limit and memory_limit > 0 else None
+
+
 def start(build: Build, name: str, device: str | None = None, threads: int | None = None,
-          cache: bool = True) -> Instance:
-    """Start a backend for the container (or bench run) `name` and wait until it answers."""
+          cache: bool = True, memory_limit: int | None = None) -> Instance:
+    """Start a backend for the container (or bench run) `name` and wait until it answers; a container
+    with a memory limit shares at most that much host memory with it (`shm_cap`)."""
     base = private_dir(dirs().runtime)
     instance_id = secrets.token_hex(4)
     directory = base / f"rpc-{instance_id}"
@@ -252,7 +266,8 @@ def start(build: Build, name: str, device: str | None = None, threads: int | Non
                         owner_pid=os.getpid(), owner_start=own[1] if own else "", name=name, device=device)
     try:
         directory.mkdir(mode=0o700)
-        child = spawn(build, ["-H", f"{rpc_client.UNIX_PREFIX}{sock}"], log, device, threads, cache)
+        child = spawn(build, ["-H", f"{rpc_client.UNIX_PREFIX}{sock}"], log, device, threads, cache,
+                      shm_cap(memory_limit))
         instance.pid = child.pid
         _write(instance)
         wait_ready(child, instance.endpoint, None, log)

@@ -603,7 +603,7 @@ def _rewire(server: Server, timeout: float, say: ProgressFn) -> Server:
     try:
         if plan.needs_backend:
             say(f"starting a backend for {server.name}")
-            instance = rpc_server.start_own_backend(server.name)
+            instance = rpc_server.start_own_backend(server.name, _memory_limit(attrs))
             plan = transport.with_backend(plan, instance)
         spec = _respec(attrs, plan)
         say(f"making {server.name} again against the backend as it is now")
@@ -630,6 +630,12 @@ def _rewire(server: Server, timeout: float, say: ProgressFn) -> Server:
                 backends.stop(instance)
         raise
     return find_server(server.name)
+
+
+def _memory_limit(attrs: dict[str, Any]) -> int | None:
+    """A container's memory limit in bytes from its inspect data (None: it has none)."""
+    limit = (attrs.get("HostConfig") or {}).get("Memory")
+    return limit if isinstance(limit, int) and limit > 0 else None
 
 
 def _respec(attrs: dict[str, Any], plan: Plan) -> ContainerSpec:
