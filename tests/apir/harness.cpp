@@ -279,7 +279,7 @@ int main() {
                       << ",\"FORWARD_INDEX_INVALID\":" << APIR_BACKEND_FORWARD_INDEX_INVALID
                       << ",\"DISPATCH_TABLE_COUNT\":" << APIR_BACKEND_DISPATCH_TABLE_COUNT
                       << ",\"TYPE_F32\":" << GGML_TYPE_F32 << ",\"OP_NONE\":" << GGML_OP_NONE
-                      << ",\"OP_ADD\":" << GGML_OP_ADD << ",\"OP_MUL_MAT\":" << GGML_OP_MUL_MAT
+                      << ",\"OP_ADD\":" << GGML_OP_ADD << ",\"OP_MUL\":" << GGML_OP_MUL << ",\"OP_MUL_MAT\":" << GGML_OP_MUL_MAT
                       << ",\"FLAG_INPUT\":" << GGML_TENSOR_FLAG_INPUT << ",\"FLAG_OUTPUT\":" << GGML_TENSOR_FLAG_OUTPUT
                       << ",\"FLAG_COMPUTE\":" << GGML_TENSOR_FLAG_COMPUTE
                       << ",\"MAX_DIMS\":" << GGML_MAX_DIMS << ",\"MAX_SRC\":" << GGML_MAX_SRC

@@ -54,8 +54,8 @@ def test_constants_match_the_headers(harness) -> None:  # type: ignore[no-untype
     assert {m.name: m.value for m in protocol.GgmlStatus} == prefixed("STATUS_")
     assert c["FORWARD_INDEX_INVALID"] == protocol.FORWARD_INDEX_INVALID
     assert c["DISPATCH_TABLE_COUNT"] == table.dispatch_table_count()
-    assert (c["TYPE_F32"], c["OP_NONE"], c["OP_ADD"], c["OP_MUL_MAT"]) == (
-        tensor.TYPE_F32, tensor.OP_NONE, tensor.OP_ADD, tensor.OP_MUL_MAT)
+    assert (c["TYPE_F32"], c["OP_NONE"], c["OP_ADD"], c["OP_MUL"], c["OP_MUL_MAT"]) == (
+        tensor.TYPE_F32, tensor.OP_NONE, tensor.OP_ADD, tensor.OP_MUL, tensor.OP_MUL_MAT)
     assert (c["FLAG_INPUT"], c["FLAG_OUTPUT"], c["FLAG_COMPUTE"]) == (
         tensor.FLAG_INPUT, tensor.FLAG_OUTPUT, tensor.FLAG_COMPUTE)
     assert (c["MAX_DIMS"], c["MAX_SRC"], c["MAX_OP_PARAMS"], c["MAX_NAME"]) == (
