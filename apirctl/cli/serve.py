@@ -17,6 +17,7 @@ SERVE_EPILOG = (
     "  apirctl serve smollm2 -- --temp 0.2        # anything after -- goes to llama-server\n\n"
     "  apirctl serve smollm2 --rpc-backend 127.0.0.1:50052 --via-ssh me@gpu-box   # a remote GPU host\n\n"
     "  apirctl serve smollm2 --restart on-failure:3  # Podman restarts it when it fails\n\n"
+    "  apirctl serve smollm2 --transport rpc --memory 8g   # 8 GiB at most, its backend pins no more\n\n"
     "  apirctl serve smollm2 --transport virtgpu --apir-trace   # APIR (Linux: an apir-host of its own)\n\n"
     "  apirctl serve smollm2 --generate kube > smollm2.yaml   # then: podman kube play smollm2.yaml\n\n"
     "  apirctl serve smollm2 --generate quadlet > ~/.config/containers/systemd/smollm2.container"
@@ -67,6 +68,12 @@ def serve(
     restart: str = typer.Option(
         None, "--restart", metavar="POLICY",
         help="Podman restart policy: no, on-failure[:N], always, unless-stopped.",
+    ),
+    memory: str = typer.Option(
+        None, "--memory", metavar="SIZE",
+        help="Memory limit of the container, as Podman's --memory: bytes or a number with k, m, g or t "
+        "(binary), e.g. --memory 8g. With --transport rpc it also caps the host memory the container shares "
+        "with (and may have pinned by) its own backend. Default: no limit.",
     ),
     generate: str = typer.Option(
         None, "--generate", metavar="FORMAT",
@@ -121,7 +128,7 @@ def serve(
         api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
         insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
-        seed=seed, max_tokens=max_tokens, restart=restart, apir_trace=apir_trace,
+        seed=seed, max_tokens=max_tokens, restart=restart, apir_trace=apir_trace, memory=memory,
     )
     if generate:
         sys.stdout.write(lib.generate(opts, generate))

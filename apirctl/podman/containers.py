@@ -76,6 +76,7 @@ class ContainerSpec(BaseModel):
     security_opt: list[str] = Field(default_factory=list)
     restart_policy: str | None = None  # Podman's: no, on-failure[:N], always, unless-stopped
     healthcheck: HealthCheck | None = None
+    mem_limit: int | None = None  # bytes (Podman's --memory); None: no limit
 
     def restart(self) -> tuple[str, int | None] | None:
         """The policy's name and, for on-failure:N, its retry count."""
@@ -115,6 +116,8 @@ class ContainerSpec(BaseModel):
             kwargs["restart_policy"] = {"Name": name, **({"MaximumRetryCount": tries} if tries else {})}
         if self.healthcheck:
             kwargs["healthcheck"] = self.healthcheck.config()
+        if self.mem_limit:
+            kwargs["mem_limit"] = self.mem_limit
         return kwargs
 
 

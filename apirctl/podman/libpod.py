@@ -179,6 +179,8 @@ def create_body(spec: ContainerSpec) -> dict[str, Any]:
             body["restart_tries"] = restart[1]
     if spec.healthcheck:
         body["healthconfig"] = spec.healthcheck.config()
+    if spec.mem_limit:
+        body["resource_limits"] = {"memory": {"limit": spec.mem_limit}}
     return {key: value for key, value in body.items() if value not in ([], {})}  # podman-py drops empties too
 
 

@@ -4,6 +4,7 @@ anything is created), the model file to mount."""
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -45,6 +46,7 @@ class ServeOptions(BaseModel):
     seed: int | None = None
     max_tokens: int | None = None
     restart: str | None = None  # a Podman restart policy
+    memory: int | None = None  # the container's memory limit in bytes (`--memory`, read by `memory_limit`)
     apir_trace: bool = False  # virtgpu on Linux: the apir-host writes a trace (`apirctl apir trace`)
 
 
@@ -63,6 +65,8 @@ def options(model: str, **flags: Any) -> ServeOptions:
         flags = {**flags, "transport": "rpc"}
     elif flags.get("via_ssh") or flags.get("insecure_network"):
         raise ApirctlError("--via-ssh and --insecure-network only apply with --rpc-backend HOST:PORT")
+    if isinstance(flags.get("memory"), str):
+        flags = {**flags, "memory": memory_limit(flags["memory"])}
     if flags.get("gpu_devices"):
         if flags.get("transport") not in (None, "gpu"):
             raise ApirctlError(f"--gpu-device uses the gpu transport, not --transport {flags['transport']}")
@@ -75,6 +79,34 @@ def options(model: str, **flags: Any) -> ServeOptions:
     values["timeout"] = settings.health_timeout
     values.update({k: v for k, v in flags.items() if k not in keys and v is not None})
     return ServeOptions(model=model, **values)
+
+
+#: Podman's --memory: a whole or decimal number and an optional binary unit (k, m, g, t, p; with b, ib or
+#: nothing after it; any case), as Podman reads it. It refuses a limit under 6 MiB (too little for any
+#: container), and so does apirctl, before anything is fetched or created.
+_SIZE = re.compile(r"(\d{1,30}(?:\.\d{1,30})?) ?(?:([kmgtp])i?)?b?", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4, "p": 1024**5}
+MIN_MEMORY = 6 * 1024**2
+MAX_MEMORY = 2**63 - 1  # Podman keeps the limit as a signed 64-bit number
+MEMORY_HINT = "a size of at least 6m: bytes, or a number with k, m, g or t (binary units, as Podman's --memory), " \
+              "e.g. --memory 8g or --memory 512m; leave it out for no limit"
+
+
+def memory_limit(text: str) -> int:
+    """The bytes of a memory limit given as Podman's `--memory` takes it (`8g`, `512m`, `1.5G`,
+    `1073741824`), or a one-line error with the accepted forms."""
+    found = _SIZE.fullmatch(text.strip())
+    if not found:
+        raise ApirctlError(f"--memory {text!r} is not a memory size", hint=MEMORY_HINT)
+    number, unit = found.group(1), (found.group(2) or "").lower()
+    whole, _, fraction = number.partition(".")
+    scale = _UNITS[unit]
+    value = int(whole) * scale + (int(fraction) * scale // 10 ** len(fraction) if fraction else 0)
+    if value < MIN_MEMORY:
+        raise ApirctlError(f"--memory {text!r} is below the smallest limit Podman accepts (6 MiB)", hint=MEMORY_HINT)
+    if value > MAX_MEMORY:
+        raise ApirctlError(f"--memory {text!r} is more than a memory limit can be", hint=MEMORY_HINT)
+    return value
 
 
 def _connect_host(host_ip: str) -> str:

@@ -312,7 +312,7 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
             plan = _remote_plan(opts)
         if plan.needs_backend:  # a backend of its own, on its own socket
             phase("rpc backend")
-            instance = rpc_server.start_own_backend(name)
+            instance = rpc_server.start_own_backend(name, opts.memory)  # the cap on what it shares and pins
             plan = transport.with_backend(plan, instance)
         if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
             phase("apir host")
@@ -345,6 +345,7 @@ def _spec(opts: ServeOptions, plan: Plan, model: ModelFile, name: str, image_ref
         ports={CONTAINER_PORT: (publish_ip(opts.host_ip), opts.port)},
         restart_policy=check_restart(opts.restart) if opts.restart else None,
         healthcheck=_healthcheck(opts, image_ref),
+        mem_limit=opts.memory,
     )
     spec = plan.apply(spec)
     spec.command += opts.llama_args
@@ -592,8 +593,8 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
 
 def _rewire(server: Server, timeout: float, say: ProgressFn) -> Server:
     """Make a server's container again against the host backend as it is now (another port, or a
-    Unix socket and a backend of its own): the same image, command, model mounts, port, labels and
-    restart policy, with the rpc wiring of today. The old container's link is dead already."""
+    Unix socket and a backend of its own): the same image, command, model mounts, port, labels,
+    restart policy and memory limit, with the rpc wiring of today. The old container's link is dead already."""
     api = containers.connect()
     attrs = api.inspect(server.id)
     command = list((attrs.get("Config") or {}).get("Cmd") or [])
@@ -639,8 +640,9 @@ def _memory_limit(attrs: dict[str, Any]) -> int | None:
 
 
 def _respec(attrs: dict[str, Any], plan: Plan) -> ContainerSpec:
-    """The spec of a server's container from its inspect data, with its rpc wiring (`--rpc ADDRESS
-    --n-gpu-layers N`, its network, its backend's mount and labels) replaced by `plan`'s."""
+    """The spec of a server's container from its inspect data (its memory limit too), with its rpc
+    wiring (`--rpc ADDRESS --n-gpu-layers N`, its network, its backend's mount and labels) replaced
+    by `plan`'s."""
     conf = attrs.get("Config") or {}
     host_conf = attrs.get("HostConfig") or {}
     command = list(conf.get("Cmd") or [])
@@ -667,7 +669,7 @@ def _respec(attrs: dict[str, Any], plan: Plan) -> ContainerSpec:
         mounts=[BindMount(source=m["Source"], target=m["Destination"], read_only=not m.get("RW", False))
                 for m in attrs.get("Mounts") or []
                 if m.get("Type") == "bind" and m.get("Destination") != backends.CONTAINER_DIR],
-        ports=ports, restart_policy=restart if restart not in ("", "no") else None,
+        ports=ports, restart_policy=restart if restart not in ("", "no") else None, mem_limit=_memory_limit(attrs),
     )
     spec = plan.apply(spec)
     spec.command += rest

@@ -1,7 +1,7 @@
 """Servers that outlive the terminal: the container `serve` makes, as a Podman quadlet unit or Kubernetes YAML.
 
 Both are rendered from the same `ContainerSpec` `serve` would create (image, command, model mounts,
-published port, devices, network, labels, health check), so `systemctl --user start` of the quadlet
+published port, devices, network, labels, health check, memory limit), so `systemctl --user start` of the quadlet
 or `podman kube play` of the YAML runs the server `apirctl serve` would have run. Podman's restart
 policies map to systemd's `Restart=` and to the Pod's `restartPolicy`.
 
@@ -62,6 +62,8 @@ def quadlet(spec: ContainerSpec, restart: str | None = None, description: str = 
         lines.append("SecurityLabelDisable=true")
     if spec.entrypoint is not None:
         lines.append("PodmanArgs=--entrypoint " + _systemd_quote(json.dumps(spec.entrypoint)))
+    if spec.mem_limit:  # PodmanArgs: every quadlet passes it on (its own Memory= key is not in older ones)
+        lines.append(f"PodmanArgs=--memory {spec.mem_limit}")
     if spec.command:
         lines.append("Exec=" + " ".join(_systemd_quote(word) for word in spec.command))
     if spec.healthcheck:
@@ -130,6 +132,8 @@ def kube(spec: ContainerSpec, restart: str | None = None) -> str:
         live = check.live_command or check.command
         container["livenessProbe"] = {"exec": {"command": live}, "initialDelaySeconds": 5, **timing}
         container["readinessProbe"] = {"exec": {"command": list(check.command)}, "initialDelaySeconds": 1, **timing}
+    if spec.mem_limit:  # bytes: a Kubernetes quantity without a unit (`podman kube play` sets --memory from it)
+        container["resources"] = {"limits": {"memory": str(spec.mem_limit)}}
     if spec.devices or any("disable" in opt for opt in spec.security_opt):
         container["securityContext"] = {"seLinuxOptions": {"type": "spc_t"}}
     # Podman 4's kube play refuses annotation values over 63 characters (the Kubernetes label limit).

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apirctl.apir import probes, selftest, table
-from apirctl.apir.session import CRASH_WORDS, BackendProcess
-from apirctl.errors import ApirctlError, tail
+from apirctl.apir.session import BackendProcess
+from apirctl.errors import ApirctlError
 from apirctl.macos import bundle
 
 pytestmark = pytest.mark.integration

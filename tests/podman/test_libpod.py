@@ -29,6 +29,7 @@ def _podman_py_body(spec: containers.ContainerSpec) -> object:
      "environment": {"A": "1"}},
     {"healthcheck": containers.HealthCheck(command=["/app/bin/apirctl-health", "8000"], start_period_s=300),
      "restart_policy": "on-failure:2"},
+    {"mem_limit": 768 * 1024**2},  # --memory: podman-py's resource limits
 ])
 def test_create_body_is_what_podman_py_sends(tmp_path: Path, extra: dict[str, object]) -> None:
     spec = containers.ContainerSpec(

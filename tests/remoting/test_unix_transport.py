@@ -279,3 +279,26 @@ def test_a_network_none_container_answers_with_the_same_greedy_tokens_as_native(
 
         shutil.rmtree(api_dir, ignore_errors=True)
     assert tokens == expected
+
+
+def test_serve_memory_limits_the_container_and_caps_what_its_backend_shares(
+    unix_backend: rpc_server.BackendRecord, podman: str, llama_image: str, demo_model: Path, names: list[str]
+) -> None:
+    """`serve --memory` is the container's memory limit in Podman, and the same bytes are the shared-memory
+    cap (GGML_RPC_SHM_CAP) of the backend of its own, read from that process's environment."""
+    limit = 768 * 1024**2
+    done = cli("serve", str(demo_model), "--transport", "rpc", "--memory", "768m", "--port", str(free_port()),
+               "--name", names[0], "--json")
+    assert done.returncode == 0, done.stderr
+    server = json.loads(done.stdout)
+    assert (server["transport"], server["rpc_link"]) == ("rpc", "shm"), server
+    inspected = subprocess.run(["podman", "--remote", "--url", podman, "inspect", names[0], "--format",
+                                "{{.HostConfig.Memory}}"], capture_output=True, text=True, timeout=120)
+    assert inspected.returncode == 0 and inspected.stdout.strip() == str(limit), inspected.stderr
+    instance = instance_of(server["id"])
+    assert backends.alive(instance) and instance.pid != unix_backend.pid
+    environ = Path(f"/proc/{instance.pid}/environ").read_bytes().split(b"\0")
+    assert [v for v in environ if v.startswith(b"GGML_RPC_SHM_CAP=")] == [f"GGML_RPC_SHM_CAP={limit}".encode()]
+    assert chat(server["url"].removesuffix("/v1"))["choices"][0]["message"]["content"].strip()  # it serves under it
+    assert cli("stop", names[0]).returncode == 0
+    assert gone(instance)
