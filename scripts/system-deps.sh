@@ -13,6 +13,9 @@ need_cmds=(podman runc slirp4netns pasta cmake c++ ninja patch pkg-config ip tmu
 missing=()
 for c in "${need_cmds[@]}"; do command -v "$c" >/dev/null 2>&1 || missing+=("$c"); done
 [ -e /usr/include/libdrm/drm.h ] || missing+=("libdrm headers")
+# clang with libFuzzer's runtime: the APIR host library's fuzzer (tests/apir/fuzz)
+command -v clang++ >/dev/null 2>&1 && [ -e "$(clang++ -print-file-name=libclang_rt.fuzzer-$(uname -m).a 2>/dev/null)" ] \
+  || missing+=("clang with libFuzzer")
 if [ $vulkan -eq 1 ]; then
   command -v glslc >/dev/null 2>&1 || missing+=(glslc)
   [ -e /usr/include/vulkan/vulkan_core.h ] || missing+=("Vulkan headers")
@@ -28,11 +31,11 @@ if command -v apt-get >/dev/null 2>&1; then
   vk=(); [ $vulkan -eq 1 ] && vk=(libvulkan-dev glslc spirv-headers mesa-vulkan-drivers)
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq podman runc slirp4netns passt uidmap fuse-overlayfs cmake g++ ninja-build \
-    pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server "${vk[@]}" >/dev/null
+    pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server clang libclang-rt-dev "${vk[@]}" >/dev/null
 elif command -v dnf >/dev/null 2>&1; then
   vk=(); [ $vulkan -eq 1 ] && vk=(vulkan-loader-devel glslc spirv-headers-devel mesa-vulkan-drivers)
   $SUDO dnf install -y -q podman runc slirp4netns passt cmake gcc-c++ ninja-build patch pkgconf-pkg-config \
-    libdrm-devel iproute tmux openssh-clients openssh-server "${vk[@]}"
+    libdrm-devel iproute tmux openssh-clients openssh-server clang compiler-rt "${vk[@]}"
 else
   echo "no apt-get or dnf: install podman, runc, slirp4netns, passt (pasta), cmake, a C++ compiler, ninja, libdrm headers" >&2
   exit 1
