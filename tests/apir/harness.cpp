@@ -15,6 +15,7 @@
 #include "shared/apir_cs.h"
 #include "shared/apir_cs_rpc.h"
 #include "shared/apir_cs_ggml.h"
+#include "backend-objects.h"
 
 #include "ggml-alloc.h"
 #include "ggml-cpu.h"
@@ -125,7 +126,7 @@ static int dec_cmd(std::istringstream & in, const std::string & kind) {
         if (v) for (uint32_t i = 0; i < n; i++) o << " " << v[i];
     }
     else if (kind == "rpc_tensor") {
-        const apir_rpc_tensor * t = apir_decode_apir_rpc_tensor_inplace(&dec);
+        const apir_rpc_tensor * t = (const apir_rpc_tensor *) apir_decoder_use_inplace(&dec, sizeof(apir_rpc_tensor));
         if (!t) { o << "null"; }
         else {
             o << t->id << " " << t->type << " " << t->buffer;
@@ -145,13 +146,28 @@ static int dec_cmd(std::istringstream & in, const std::string & kind) {
     return 0;
 }
 
+// The backend library's graph decoder, with one 1 MiB CPU buffer in its client table: `buffer` answers
+// that buffer's id, for the tensors of the graphs sent.
+static apir_client_objects & harness_client(uint64_t * buffer_id = nullptr) {
+    static apir_client_objects client;
+    static uint64_t            id = 0;
+    if (id == 0) {
+        id = apir_buffer_track(client, ggml_backend_buft_alloc_buffer(ggml_backend_cpu_buffer_type(), 1 << 20));
+    }
+    if (buffer_id) {
+        *buffer_id = id;
+    }
+    return client;
+}
+
 static void graph_cmd(std::istringstream & in) {
     std::string h; in >> h;
     auto data = unhex(h);
-    apir_decoder dec = apir_new_decoder(data.data(), data.size());
-    ggml_cgraph * g = apir_decode_ggml_cgraph(&dec, data.size());
+    apir_graph decoded;
+    const bool ok = apir_graph_from_wire(harness_client(), (const uint8_t *) data.data(), data.size(), &decoded);
+    ggml_cgraph * g = ok ? decoded.graph : nullptr;
     std::ostringstream o;
-    o << "{\"fatal\":" << (int) apir_decoder_get_fatal(&dec) << ",\"nodes\":[";
+    o << "{\"fatal\":" << (int) !ok << ",\"nodes\":[";
     for (int i = 0; g && i < ggml_graph_n_nodes(g); i++) {
         ggml_tensor * t = ggml_graph_node(g, i);
         if (i) o << ",";
@@ -230,6 +246,7 @@ int main() {
         if (cmd == "enc") { in >> kind; if (enc_cmd(in, kind)) std::cout << "unknown\n"; }
         else if (cmd == "dec") { in >> kind; if (dec_cmd(in, kind)) std::cout << "unknown\n"; }
         else if (cmd == "graph") { graph_cmd(in); }
+        else if (cmd == "buffer") { uint64_t id; harness_client(&id); std::cout << id << "\n"; }
         else if (cmd == "frontgraph") { frontgraph_cmd(in); }
         else if (cmd == "layout") {
             std::cout << "{\"apir_rpc_tensor\":{\"size\":" << sizeof(apir_rpc_tensor) << ","

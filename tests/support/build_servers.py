@@ -1,18 +1,23 @@
 """The pinned build's own llama-server, run directly (no container) by the native transport tests,
-and the greedy tokens they compare between native and remote runs."""
+the greedy tokens they compare between native and remote runs, and upstream's test-backend-ops
+compiled against the build."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 from apirctl.build import llamacpp
+from tests.conftest import SHARED_CACHE, shared_env
 from tests.support.waiting import wait_for
 
 
@@ -58,3 +63,28 @@ def greedy_tokens(url: str, n: int = 24) -> list[int]:
     tokens = answer["tokens"]
     assert len(tokens) == n, answer
     return [int(t) for t in tokens]
+
+
+def backend_ops_tester(build: llamacpp.Build) -> Path:
+    """Upstream's test-backend-ops from the patched source, linked against the build's own ggml
+    libraries (so it runs the frontend, `libggml-virtgpu`, that the build ships). One file compiled
+    instead of a second configure with tests on, which would compile all of ggml again: about a minute
+    on 2 cores, cached by the build's identity."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    with shared_env():
+        src = llamacpp.source_dir()
+    exe = SHARED_CACHE / "test-backend-ops" / build.identity / "test-backend-ops"
+    if exe.exists():
+        return exe
+    exe.parent.mkdir(parents=True, exist_ok=True)
+    partial = exe.with_name(exe.name + ".partial")
+    done = subprocess.run(
+        [compiler, "-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}",
+         str(src / "tests/test-backend-ops.cpp"), "-o", str(partial),
+         f"-L{build.bin_dir}", f"-Wl,-rpath,{build.bin_dir}", "-lggml", "-lggml-base"],
+        capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    os.replace(partial, exe)
+    return exe
