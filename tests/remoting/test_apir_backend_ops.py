@@ -14,95 +14,19 @@ few minutes on a 2-core CI machine: `SUBSETS` gives, per op, a regex over the ca
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from apirctl.build import llamacpp
 from tests.remoting.test_apir_host_native import apir_host
+from tests.support.backend_ops import ANSI, APIR_BACKEND, OPS, REFUSED, Counts, run_op
 from tests.support.build_servers import backend_ops_tester
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
-
-# the ops a Llama, Qwen or Gemma graph uses, as test-backend-ops names them (`-o`)
-OPS = ("GET_ROWS", "MUL_MAT", "MUL_MAT_ID", "ADD", "MUL", "SCALE", "RMS_NORM", "NORM", "ROPE", "SOFT_MAX", "CPY",
-       "CONT", "SET_ROWS", "FLASH_ATTN_EXT", "SWIGLU", "GEGLU", "SILU", "GELU")
-
-# Per op, the cases run (a regex over the case's parameters, test-backend-ops `-p`) where all of them
-# would take too long (MUL_MAT alone has 2275 cases, FLASH_ATTN_EXT 5317; about 0.2 to 1 s each here):
-# the types models ship in, and a fixed part of the shapes, broadcasts and permutations. Cases picked
-# (of all): GET_ROWS 56/240, MUL_MAT 86/2275, MUL_MAT_ID 71/945, ROPE 84/470, SOFT_MAX 36/214,
-# CPY 151/600, SET_ROWS 99/727, FLASH_ATTN_EXT 25/5317; the other ops run all their cases.
-TYPES = "(f32|f16|q4_0|q8_0|q4_K|q6_K)"
-SUBSETS: dict[str, str] = {
-    "GET_ROWS": rf"^type={TYPES},",
-    "MUL_MAT": (rf"^type_a={TYPES},type_b=f32,m=16,n=(1|9|16),k=256,bs=\[1,1\]"
-                r"|^type_a=(f16|q4_0),type_b=f32,m=16,n=\d+,k=256,bs=\[(3,2|2,3)\],nr=\[(1,1|2,2)\]"
-                r"|^type_a=f16,type_b=f16,m=16,n=(1|9),k=256,"),
-    "MUL_MAT_ID": rf"^type_a={TYPES},type_b=f32,n_mats=(4|8),n_used=(1|2|4),b=0,m=512,n=(1|32),k=256,",
-    "ROPE": r"^type=f32,ne_a=\[128,\d+,2,1\],n_dims=128,mode=[02],|^type=f16,ne_a=\[64,\d+,2,1\],n_dims=64,mode=2,",
-    "SOFT_MAX": r",mask=1,sinks=0,m_prec=f(32|16),nr23=\[1,1\],scale=0\.1",
-    "CPY": r"^type_src=(f32|f16),type_dst=(f32|f16|q8_0|q4_0|iq2_xxs),",
-    "SET_ROWS": r"^type_src=f32,type_dst=(f32|f16|bf16|q8_0|q4_0|iq2_xxs),",
-    "FLASH_ATTN_EXT": (r"^hsk=(64|128),hsv=\1,nh=4,nr23=\[(1|4),1\],kv=512,nb=(1|32),mask=1,sinks=[01],"
-                       r"max_bias=0\.000000,logit_softcap=0\.000000,prec=f32,type_K=(f16|q8_0),type_V=\4,"
-                       r"permute=\[0,1,2,3\]"),
-}
-
-# Cases the host's CPU backend refuses (it cannot quantize to iq2_xxs; its supports_op says so). The
-# reference CPU backend refuses them too, so they are reported "not supported" either way; the APIR
-# backend is named among those that refuse them only if the frontend asked the host (a frontend that
-# claims every op is not named).
-REFUSED = {"CPY": "type_dst=iq2_xxs,", "SET_ROWS": "type_dst=iq2_xxs,"}
-# the host's CPU device as the frontend names it (docs/apir.md), what `-b` takes
-DEVICE = "[virtgpu] CPU"
-# the APIR device's backend, as test-backend-ops names it in "not supported [...]"
-APIR_BACKEND = "API Remoting backend"
-
-# one process per op; this is far above what any one of them takes
-OP_TIMEOUT = 300
-CASE = re.compile(r"^  (?P<op>[A-Z0-9_]+)\((?P<params>.*)\): (?P<result>.*)$")
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-@dataclass
-class Counts:
-    passed: int = 0
-    unsupported: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-
-
-def run_op(exe: Path, socket_path: Path, op: str, log: Path) -> tuple[subprocess.CompletedProcess[str], Counts]:
-    """test-backend-ops for one op on the APIR device; its output goes to `log` as well."""
-    env = {**os.environ, "GGML_VIRTGPU_SOCKET": str(socket_path)}
-    args = [str(exe), "test", "-b", DEVICE, "-o", op]
-    if op in SUBSETS:
-        args += ["-p", SUBSETS[op]]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=OP_TIMEOUT, env=env)
-    with log.open("a") as out:
-        out.write(f"$ {' '.join(args)}\n{done.stdout}{done.stderr}\nexit status {done.returncode}\n")
-    counts = Counts()
-    for line in ANSI.sub("", done.stdout).splitlines():
-        m = CASE.match(line)
-        if m is None:
-            continue
-        result = m["result"].strip()
-        if result.startswith("not supported"):
-            counts.unsupported.append(f"{m['params']}: {result}")
-        elif result == "OK":
-            counts.passed += 1
-        else:
-            counts.failed.append(line.strip())
-    return done, counts
-
-
 
 @pytest.fixture(scope="module")
 def tester(llama_build: llamacpp.Build) -> Path:
