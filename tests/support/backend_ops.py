@@ -49,7 +49,8 @@ APIR_BACKEND = "API Remoting backend"
 
 # one process per op; this is far above what any one of them takes
 OP_TIMEOUT = 300
-CASE = re.compile(r"^  (?P<op>[A-Z0-9_]+)\((?P<params>.*)\): (?P<result>.*)$")
+# a case's line; a failed check may print its own words first ("sentinel mismatch: sent_6   OP(...)")
+CASE = re.compile(r"(?:^|\s)(?P<op>[A-Z0-9_]+)\((?P<params>.*)\): (?P<result>.*)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -73,7 +74,7 @@ def run_op(exe: Path, socket_path: Path, op: str, log: Path, device: str = DEVIC
         out.write(f"$ {' '.join(args)}\n{done.stdout}{done.stderr}\nexit status {done.returncode}\n")
     counts = Counts()
     for line in ANSI.sub("", done.stdout).splitlines():
-        m = CASE.match(line)
+        m = CASE.search(line)
         if m is None:
             continue
         result = m["result"].strip()
