@@ -28,6 +28,7 @@ from tests.support.build_servers import backend_ops_tester
 pytestmark = [pytest.mark.integration, pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
 
+
 @pytest.fixture(scope="module")
 def tester(llama_build: llamacpp.Build) -> Path:
     return backend_ops_tester(llama_build)
