@@ -33,11 +33,15 @@ def _compute(proc: BackendProcess, graph: bytes) -> int:
     return ret
 
 
-def _result(proc: BackendProcess, case: MatmulAddCase) -> float:
+def _output(proc: BackendProcess, case: MatmulAddCase) -> bytes:
     res = proc.shmem(case.out.nbytes)
     proc.call("buffer_get_tensor", buffer=case.out.buffer, tensor=case.out.to_rpc(), res_id=res, offset=0,
               size=case.out.nbytes)
-    return case.relative_error(proc.shmem_read(res, case.out.nbytes))
+    return proc.shmem_read(res, case.out.nbytes)
+
+
+def _result(proc: BackendProcess, case: MatmulAddCase) -> float:
+    return case.relative_error(_output(proc, case))
 
 
 def _case(proc: BackendProcess, buft: int) -> MatmulAddCase:
@@ -71,10 +75,7 @@ def test_a_graph_that_differs_in_one_node_is_not_taken_for_a_kept_one(backend_li
         # the same graph but for the last node's op: MUL instead of ADD
         case.out.op = tensor.OP_MUL
         assert _compute(proc, case.graph.serialize()) == 0
-        out = proc.shmem(case.out.nbytes)
-        proc.call("buffer_get_tensor", buffer=case.out.buffer, tensor=case.out.to_rpc(), res_id=out, offset=0,
-                  size=case.out.nbytes)
-        got = np.frombuffer(proc.shmem_read(out, case.out.nbytes), dtype=np.float32).reshape(case.n, case.m)
+        got = np.frombuffer(_output(proc, case), dtype=np.float32).reshape(case.n, case.m)
         product = case.b_data.astype(np.float64) @ case.a_data.astype(np.float64).T
         assert np.allclose(got, product * case.c_data, rtol=1e-4, atol=1e-4)
 
