@@ -167,5 +167,6 @@ class Session:
                         self.ask(entry.text)
                     except KeyboardInterrupt:  # a second Ctrl-C while the first one was being handled
                         self.out.write("\n")
+                        self.console.print("[dim]\\[interrupted][/]")
         finally:
             editor.save()

@@ -189,7 +189,7 @@ def test_a_dropped_block_is_never_sent_and_ctrl_d_sends_one(
         pane.line("second line")
         pane.wait(r"second line\n\.\.\. ?$")  # Ctrl-D goes to the next continuation prompt, not into the line
         pane.keys("C-d")  # ends the block: it goes as it stands, and the session stays
-        pane.wait("Fine.")
+        pane.wait("Fine.", context=lambda: f"requests the server saw: {server.requests}")
         assert [m["content"] for m in server.requests[0]["messages"]] == ["first line\nsecond line"]
         pane.wait_prompt(3)
         pane.keys("C-d")

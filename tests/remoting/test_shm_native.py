@@ -9,6 +9,7 @@ on the socket and in the shared memory, a second client, and another user.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import mmap
@@ -41,6 +42,8 @@ SHM_FILE_MAGIC = 0x4D485347  # "GSHM", the memfd's header
 RING = 64 * 1024
 RING0_HEAD = 256  # offset of ring 0's write position in the control page
 RING1_HEAD = 768  # and ring 1's (server to client)
+RING0_DATA_SEQ = RING0_HEAD + 128  # ring 0's futex word, bumped for a reader that sleeps
+RING0_READER_SLEEPING = RING0_DATA_SEQ + 4  # set by the server while it sleeps on that word
 HOST_BUFFERS = 1  # the shm capability's feature bit: host buffers shared with the server (llama_patches/ 0011)
 # commands of the protocol (their numbers in ggml-rpc.cpp)
 ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR = 0, 3, 6, 8
@@ -144,6 +147,19 @@ def rpc_tensor(buffer: int, data: int, n_floats: int) -> bytes:
                        0, *[0] * 10, 0, 0, data, b"t", 0)
 
 
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine, 202)
+FUTEX_WAKE = 1
+
+
+def futex_wake(mem: mmap.mmap, offset: int) -> None:
+    """FUTEX_WAKE on the 32-bit word at `offset` of a shared mapping."""
+    word = ctypes.c_uint32.from_buffer(mem, offset)
+    try:
+        ctypes.CDLL(None, use_errno=True).syscall(SYS_FUTEX, ctypes.byref(word), FUTEX_WAKE, 1, None, None, 0)
+    finally:
+        del word  # releases the mapping's buffer, so that it can be closed
+
+
 class RingClient:
     """The client's end of the shared-memory channel, spoken by hand: it writes requests into ring 0 and
     reads replies from ring 1 (a session moves less than a ring, so neither wraps around)."""
@@ -164,13 +180,18 @@ class RingClient:
         self.write(struct.pack("<BQ", cmd, len(payload)) + payload)
 
     def write(self, data: bytes) -> None:
-        """Any bytes into ring 0, then its write position."""
+        """Any bytes into ring 0, then its write position, then a wake-up if the server sleeps (as the
+        real client does: a server asleep on the futex would otherwise only notice at its next timeout)."""
         self.mem[4096 + self.sent:4096 + self.sent + len(data)] = data
         self.sent += len(data)
         struct.pack_into("<Q", self.mem, RING0_HEAD, self.sent)  # published after the bytes (x86 keeps the order)
+        if struct.unpack_from("<I", self.mem, RING0_READER_SLEEPING)[0]:
+            (seq,) = struct.unpack_from("<I", self.mem, RING0_DATA_SEQ)
+            struct.pack_into("<I", self.mem, RING0_DATA_SEQ, (seq + 1) & 0xFFFFFFFF)
+            futex_wake(self.mem, RING0_DATA_SEQ)
 
     def recv(self, n: int) -> bytes:
-        wait_for("the server's reply", lambda: struct.unpack_from("<Q", self.mem, RING1_HEAD)[0] >= self.read + n, 10,
+        wait_for("the server's reply", lambda: struct.unpack_from("<Q", self.mem, RING1_HEAD)[0] >= self.read + n, 30,
                  interval=0.001)
         start = 4096 + RING + self.read
         self.read += n
@@ -496,8 +517,12 @@ def test_host_buffers_shared_with_the_server_and_hostile_requests(llama_build, d
         def hostile(request: Callable[[RingClient, bytes, int], None], features: int = HOST_BUFFERS) -> None:
             closed = log.read_bytes().count(b"Client connection closed")
             c = RingClient(path, features)
-            tensor = c.tensor(256)
-            buffer_id = c.share(shared_fd, size) if features else 0
+            try:
+                tensor = c.tensor(256)
+                buffer_id = c.share(shared_fd, size) if features else 0
+            except AssertionError as exc:  # say what the server was doing
+                tail = log.read_text(errors="replace")[-3000:]
+                raise AssertionError(f"{exc}; the server's log ends:\n{tail}") from None
             request(c, tensor, buffer_id)
             wait_for("the server to drop the hostile client",
                      lambda: log.read_bytes().count(b"Client connection closed") > closed, 30)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,15 +185,17 @@ class Tmux:
         """Everything the pane ever scrolled away plus the screen, wrapped lines joined."""
         return self._tmux("capture-pane", "-p", "-J", "-S", "-", "-E", "-")
 
-    def wait(self, pattern: str, timeout: float = 180.0) -> str:
-        """Poll until `pattern` (a regex) is found on the screen; return the screen."""
+    def wait(self, pattern: str, timeout: float = 180.0, context: Callable[[], str] | None = None) -> str:
+        """Poll until `pattern` (a regex) is found on the screen; return the screen. On a timeout the
+        failure shows the scrollback, and what `context` says (what else the test knows)."""
         deadline = time.monotonic() + timeout
         while True:
             text = self.screen()
             if re.search(pattern, text, re.M):
                 return text
             if time.monotonic() > deadline:
-                pytest.fail(f"{pattern!r} never appeared; the pane shows:\n{self.scrollback()}")
+                extra = f"\n{context()}" if context else ""
+                pytest.fail(f"{pattern!r} never appeared; the pane shows:\n{self.scrollback()}{extra}")
             time.sleep(0.05)
 
     def wait_prompt(self, count: int, timeout: float = 180.0) -> str:
