@@ -216,16 +216,13 @@ def run_remoting(ctx: Context) -> ModeOutcome:
 
         door = HostLoopback(mode="slirp4netns", why="unused: the host client dials 127.0.0.1")
     no_passthrough = gpu.Blocked(reason="the remoting mode measures remoting (the container mode is passthrough)")
-    try:  # `auto` or `gpu` here means this platform's remoting: passthrough is the container mode's
-        plan = transport.plan("auto" if requested == "gpu" else requested, ngl=ctx.params.ngl,
-                              rpc_port=settings.rpc_port, loopback=door, offer=no_passthrough)
+    if requested in ("auto", "gpu"):  # this platform's remoting, even where `auto` would not serve with it
+        requested = "virtgpu" if host.is_macos() else "rpc"
+    try:
+        plan = transport.plan(requested, ngl=ctx.params.ngl, rpc_port=settings.rpc_port, loopback=door,
+                              offer=no_passthrough)
     except ApirctlError as exc:
         raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
-    if not plan.remoting:
-        status = transport.machine_status()
-        why = status.summary if status else "no remoting backend on this host"
-        step = (status.next_step if status else None) or "start one with `apirctl machine restart --remoting`"
-        raise Skipped(f"remoting is not ready: {why} ({step})")
     status = transport.machine_status()
     if plan.rpc_link == "tcp" and status is not None and status.state == 1:  # MachineState.SERVING
         users = status.details.get("serving") or "an inference server"
@@ -233,6 +230,10 @@ def run_remoting(ctx: Context) -> ModeOutcome:
                       f"(stop it with `apirctl stop`, or listen on a Unix socket: "
                       f"`apirctl machine restart --remoting --listen unix`)")
     ctx.facts["transport"] = plan.transport
+    device = str(status.details.get("device") or "") if status is not None and plan.transport == "rpc" else ""
+    if gpu.backend_on_cpu(device):
+        ctx.facts["remoting_note"] = (f"the remoting backend computes on the CPU ({device.split(' (', 1)[0]}): on this "
+                                      f"host the remoting row measures the transport, not a speed-up")
     if client == "host" and plan.transport != "rpc":
         raise Skipped(f"the host client reaches the backend over rpc only, not {plan.transport} "
                       f"(use --client container)")
@@ -425,6 +426,8 @@ def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
         info.extra["remoting_client"] = ctx.facts["client_note"]
     if ctx.facts.get("container_note"):
         info.extra["container"] = ctx.facts["container_note"]
+    if ctx.facts.get("remoting_note"):
+        info.extra["remoting"] = ctx.facts["remoting_note"]
     bench_run = Run(
         id=new_id(), created=now_iso(), kind="llama-bench", model=model_ref, model_file=str(model_path),
         params={"pp": params.pp, "tg": params.tg, "reps": params.reps, "ngl": params.ngl,

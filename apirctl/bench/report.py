@@ -146,6 +146,12 @@ def skipped_notes(run: Run) -> list[str]:
     return [f"{mode}: {reason}" for mode, reason in seen.items()]
 
 
+def mode_notes(run: Run) -> list[str]:
+    """What a row's number means on this host, where it is not what the mode's name promises (a
+    remoting backend on the CPU measures the transport, not a speed-up)."""
+    return [f"{mode}: {run.system.extra[mode]}" for mode in ("remoting",) if run.system.extra.get(mode)]
+
+
 def serving_table(levels: list[LevelResult], title: str = "serving load") -> RenderableType:
     from rich import box
     from rich.table import Table

@@ -198,6 +198,8 @@ def _print_run(run: Any, output: str, saved: bool, plot: Path | None) -> None:
         console().print(report.table(run))
         for note in report.skipped_notes(run):
             console().print(f"[yellow]skipped[/] {note}", soft_wrap=True)
+        for note in report.mode_notes(run):
+            console().print(f"[cyan]note[/] {note}", soft_wrap=True)
         for lv in run.levels:
             if lv.error_sample:
                 console().print(f"[red]errors at concurrency {lv.concurrency}[/]: {lv.error_sample}",

@@ -15,6 +15,7 @@ from apirctl.gpu.choice import (
     ImageBackend,
     Passthrough,
     Remoting,
+    backend_on_cpu,
     decide,
     find_passthrough,
 )
@@ -23,6 +24,6 @@ from apirctl.gpu.host import GpuReport, facts, gpu_builds, report
 
 __all__ = [
     "Blocked", "CdiDevice", "CdiInventory", "Choice", "DeviceFiles", "GpuReport", "ImageBackend",
-    "NVIDIA_CDI_FIX", "Passthrough", "Remoting", "RenderNode", "SPEC_DIRS", "decide", "facts",
+    "NVIDIA_CDI_FIX", "Passthrough", "Remoting", "RenderNode", "SPEC_DIRS", "backend_on_cpu", "decide", "facts",
     "find_passthrough", "gpu_builds", "inventory", "is_qualified", "parse_spec", "report", "scan",
 ]

@@ -5,8 +5,10 @@ images exist, whether the engine runs in a VM, the remoting status), so the whol
 is tested without the hardware; `apirctl.transport` gathers the facts and applies the result.
 
 `auto` prefers, in order: passthrough (the container gets the GPU itself: native speed, no
-host process), local remoting (the host backend through rpc), the container's CPU (with a notice
-saying why each faster path was not taken and what to do about it).
+host process), local remoting (the host backend through rpc) when that backend computes on a GPU,
+the container's CPU (with a notice saying why each faster path was not taken and what to do about
+it). A backend on the CPU is never faster than the container's own CPU: the same cores, plus a
+transport.
 """
 
 from __future__ import annotations
@@ -51,6 +53,13 @@ class Remoting(BaseModel):
     step: str | None = None  # what to run to make it ready
     unreachable: str | None = None  # ready, but no container network can reach it (and why)
     unreachable_hint: str | None = None
+    device: str = ""  # the backend's devices as `machine status` shows them ("CPU: AMD EPYC (...)")
+
+    @property
+    def on_cpu(self) -> bool:
+        """The backend computes on the CPU: remoting then adds a transport to the same cores a
+        container uses by itself, so it can only be slower (docs/performance.md measures it)."""
+        return backend_on_cpu(self.device)
 
 
 class Choice(BaseModel):
@@ -141,13 +150,27 @@ def _requested(cdi: CdiInventory, files: DeviceFiles, backends: Collection[str],
     return Passthrough(devices=list(requested), backend=backend, what=", ".join(requested))
 
 
+def backend_on_cpu(device: str) -> bool:
+    """Whether every device of a backend's device line ("CPU: AMD EPYC (...), CUDA0: ...") is a CPU;
+    an empty line (not known) is not."""
+    names = [part.split(":", 1)[0].strip() for part in device.split(", ") if ":" in part]
+    return bool(names) and all(name.upper().startswith("CPU") for name in names)
+
+
 def decide(platform: str, offer: Passthrough | Blocked, remoting: Remoting) -> Choice:
-    """`auto`'s decision table: passthrough, else remoting, else the container's CPU; one line why."""
+    """`auto`'s decision table: passthrough, else remoting to a GPU backend, else the container's CPU;
+    one line why."""
     if platform != "darwin" and isinstance(offer, Passthrough):
         return Choice(transport="gpu", reason=f"GPU passthrough: {offer.what} handed to the container")
     if platform == "darwin":
         offer = Blocked(reason="containers run in the podman machine's VM, whose GPU cannot be handed over")
     assert isinstance(offer, Blocked)
+    if remoting.ready and remoting.on_cpu:
+        device = remoting.device.split(" (", 1)[0]
+        return Choice(transport="none",
+                      reason=f"the container's CPU: no passthrough ({offer.reason}), and the {remoting.kind} backend "
+                             f"computes on the CPU too ({device}), where remoting only adds its transport; "
+                             f"`--transport {remoting.kind}` uses it anyway")
     if remoting.ready and remoting.unreachable is None:
         return Choice(transport=remoting.kind,
                       reason=f"{remoting.kind} remoting to the host GPU backend (no passthrough: {offer.reason})")

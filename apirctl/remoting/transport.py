@@ -29,8 +29,9 @@ network, SELinux options, environment and llama.cpp flags that `Plan.apply` adds
     frontend then talks to the host's ggml-virtgpu backend (CUDA, else CPU) over the socket and
     shared memory. No network route to the host, no device.
 - `auto`: passthrough where the engine can hand the GPU over, else the remoting transport of this
-  platform when `machine status` says it is ready (and, for rpc over TCP, a container network can
-  reach it), else `none`; its notice is one line saying what it chose and why (`apirctl.gpu.decide`).
+  platform when `machine status` says it is ready, its backend computes on a GPU (on the CPU it
+  only adds a transport to the container's own cores) and, for rpc over TCP, a container network
+  can reach it; else `none`; its notice is one line saying what it chose and why (`apirctl.gpu.decide`).
 """
 
 from __future__ import annotations
@@ -365,7 +366,8 @@ def _auto(*, ngl: int, rpc_port: int, status: MachineStatus | None, darwin: bool
     ready = status is not None and _ready(status)
     remoting = gpu.Remoting(kind="virtgpu" if darwin else "rpc", ready=ready,
                             why=status.summary if status else "no remoting backend on this host",
-                            step=status.next_step if status else None)
+                            step=status.next_step if status else None,
+                            device="" if darwin or status is None else str(status.details.get("device") or ""))
     tcp = status is not None and status.details.get("listen") != "unix"
     if ready and tcp and not darwin and not isinstance(offer, gpu.Passthrough):
         try:  # a TCP backend no container can reach is no reason to fail: fall back, say why

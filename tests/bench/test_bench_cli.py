@@ -167,18 +167,27 @@ def test_history_and_compare_on_an_empty_history() -> None:
 def test_native_and_remoting_through_the_rpc_backend(
     llama_build: Any, demo_model: Path, llama_image: str, podman: str
 ) -> None:
-    """`machine restart --remoting` starts ggml-rpc-server on 127.0.0.1; bench's remoting rows go through it."""
+    """`machine restart --remoting` starts ggml-rpc-server on 127.0.0.1; bench's remoting rows go through it.
+
+    The backend computes on this machine's CPU: `auto` would not serve with it (the container's own
+    CPU is faster), but bench still measures it, and says that the row measures the transport."""
+    from apirctl import gpu
+    from apirctl.remoting import transport
+
     port = free_port()
     started = run_cli("machine", "restart", "--remoting", "--port", str(port), "--threads", "2")
     assert started.returncode == 0, started.stderr
     try:
+        auto = transport.plan("auto", offer=gpu.Blocked(reason="no GPU device on this host"))
         proc = run_cli("bench", str(demo_model), "--modes", "native,remoting", "--reps", "1", "--pp", "32",
                        "--tg", "8", "--threads", "2", "--json")
     finally:
         run_cli("machine", "stop")
+    assert auto.transport == "none" and auto.notice and "computes on the CPU too (CPU: " in auto.notice
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)
     assert data["system"]["transport"] == "rpc"
+    assert "measures the transport, not a speed-up" in data["system"]["extra"]["remoting"]
     remoting = [r for r in data["rows"] if r["mode"] == "remoting"]
     assert [r["test"] for r in remoting] == ["pp32", "tg8"]  # one row per test: a single -ngl reached llama-bench
     for row in remoting:

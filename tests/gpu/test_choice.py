@@ -6,7 +6,17 @@ import itertools
 
 import pytest
 
-from apirctl.gpu import Blocked, CdiDevice, CdiInventory, DeviceFiles, Passthrough, Remoting, RenderNode, decide
+from apirctl.gpu import (
+    Blocked,
+    CdiDevice,
+    CdiInventory,
+    DeviceFiles,
+    Passthrough,
+    Remoting,
+    RenderNode,
+    backend_on_cpu,
+    decide,
+)
 from apirctl.gpu import find_passthrough as offer
 
 NVIDIA = CdiDevice(kind="nvidia.com/gpu", name="all", spec="/etc/cdi/nvidia.yaml")
@@ -84,6 +94,8 @@ NEEDS_CDI = Blocked(reason="an NVIDIA GPU is present but ...", hint="sudo nvidia
 READY = {"ready": True}
 NOT_READY = {"ready": False, "why": "the RPC backend is not running", "step": "apirctl machine restart --remoting"}
 UNREACHABLE = {"ready": True, "unreachable": "no container network reaches it", "unreachable_hint": "install passt"}
+ON_CPU = {"ready": True, "device": "CPU: AMD EPYC (24105 MiB, 24105 MiB free)"}
+ON_GPU = {"ready": True, "device": "CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, 80514 MiB free)"}
 
 
 @pytest.mark.parametrize(
@@ -98,6 +110,11 @@ UNREACHABLE = {"ready": True, "unreachable": "no container network reaches it", 
         ("linux", NEEDS_CDI, NOT_READY, "none", ["container's CPU", "nvidia-ctk cdi generate or apirctl machine"]),
         ("linux", NO_GPU, UNREACHABLE, "none", ["container's CPU", "backend is ready, but no container network",
                                                  "install passt"]),
+        # a backend on the CPU is the container's own cores plus a transport: never chosen
+        ("linux", NO_GPU, ON_CPU, "none", ["container's CPU", "computes on the CPU too (CPU: AMD EPYC)",
+                                            "`--transport rpc` uses it anyway"]),
+        ("linux", GPU, ON_CPU, "gpu", ["GPU passthrough"]),
+        ("linux", NO_GPU, ON_GPU, "rpc", ["rpc remoting"]),
         # macOS: never passthrough (the VM), virtgpu when ready
         ("darwin", GPU, READY, "virtgpu", ["virtgpu remoting", "podman machine's VM"]),
         ("darwin", NO_GPU, NOT_READY, "none", ["container's CPU", "podman machine's VM"]),
@@ -115,12 +132,29 @@ def test_decision_table(platform: str, offer_: Passthrough | Blocked, remoting: 
 
 def test_every_combination_yields_one_line_and_the_fastest_path() -> None:
     order = {"gpu": 0, "rpc": 1, "none": 2}
-    for offer_, remoting in itertools.product((GPU, NO_GPU, NEEDS_CDI), (READY, NOT_READY, UNREACHABLE)):
+    for offer_, remoting in itertools.product((GPU, NO_GPU, NEEDS_CDI),
+                                              (READY, NOT_READY, UNREACHABLE, ON_CPU, ON_GPU)):
         choice = decide("linux", offer_, Remoting(kind="rpc", **remoting))  # type: ignore[arg-type]
         possible = ["none"]
-        if remoting is READY:
+        if remoting is READY or remoting is ON_GPU:
             possible.append("rpc")
         if isinstance(offer_, Passthrough):
             possible.append("gpu")
         assert choice.transport == min(possible, key=order.__getitem__), (offer_, remoting)
         assert choice.reason and "\n" not in choice.reason
+
+
+@pytest.mark.parametrize(
+    ("device", "on_cpu"),
+    [
+        ("CPU: AMD EPYC (24105 MiB, 24105 MiB free)", True),
+        ("CPU: a, CPU1: b", True),
+        ("CUDA0: NVIDIA H100 80GB HBM3 (81079 MiB, 80514 MiB free)", False),
+        ("CPU: AMD EPYC (1 MiB), Vulkan0: AMD Radeon (2 MiB)", False),  # a GPU among them: remoting can use it
+        ("", False),  # not known (a backend that has not logged its devices): remoting keeps its chance
+        ("server default", False),
+    ],
+)
+def test_a_backend_is_on_the_cpu_only_when_every_device_is_a_cpu(device: str, on_cpu: bool) -> None:
+    assert backend_on_cpu(device) is on_cpu
+    assert Remoting(kind="rpc", ready=True, device=device).on_cpu is on_cpu
