@@ -2,7 +2,8 @@
 
 The client speaks only the common subset (`POST {base}/chat/completions`, SSE with
 `data:` lines and `[DONE]`), so `apirctl chat --url` works against llama-server, vLLM,
-Ollama's `/v1` and the like. Two llama-server extras are used when present: the
+Ollama's `/v1` and the like; or the Anthropic Messages API (`dialects`: `chat --api anthropic`).
+Two llama-server extras are used when present: the
 `timings` object on the last chunk (for `/stats`), and `503` while the model loads
 (we wait instead of failing: a server started a moment ago, with `serve --detach` or by
 hand, answers on its port before its model is loaded).
@@ -28,6 +29,8 @@ if "httpx" not in sys.modules:
 
 import httpx  # noqa: E402
 
+from apirctl.chat import dialects
+from apirctl.chat.dialects import Delta
 from apirctl.config import settings
 from apirctl.errors import ApirctlError  # noqa: E402
 
@@ -231,8 +234,11 @@ class ChatClient:
         connect_timeout: float = CONNECT_TIMEOUT,
         first_byte_timeout: float = FIRST_BYTE_TIMEOUT,
         stall_timeout: float = STALL_TIMEOUT,
+        api: str = "openai",
     ) -> None:
-        """Every request has three limits, so a server that accepts and never answers, or stops in
+        """`api` is the API spoken (`dialects.APIS`: openai, anthropic).
+
+        Every request has three limits, so a server that accepts and never answers, or stops in
         the middle of an answer, is an error and never a hang: `connect_timeout` to connect,
         `first_byte_timeout` for the response to begin (prompt processing happens before it), and
         `stall_timeout` between two pieces of a streamed answer."""
@@ -242,9 +248,8 @@ class ChatClient:
         self._load_timeout = load_timeout
         self.connect_timeout, self.first_byte_timeout = connect_timeout, first_byte_timeout
         self.stall_timeout = stall_timeout
-        headers = {"Accept": "text/event-stream, application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+        self.dialect = dialects.dialect(api)
+        headers = {"Accept": "text/event-stream, application/json", **self.dialect.headers(api_key)}
         # No TLS context for plain-http servers (the usual loopback case): building one loads the CA
         # bundle, which costs more than the whole request. Redirects are not followed, so a plain-http
         # client never meets TLS.
@@ -317,21 +322,12 @@ class ChatClient:
     def _body(
         self, messages: list[Message], stream: bool, max_tokens: int | None, temperature: float | None
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"messages": messages, "stream": stream}
-        if self.model:
-            body["model"] = self.model
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        if max_tokens is not None:
-            body["max_tokens"] = max_tokens
-        if temperature is not None:
-            body["temperature"] = temperature
-        body.update(self.sampling)
-        return body
+        return self.dialect.body(messages, stream=stream, model=self.model, max_tokens=max_tokens,
+                                 temperature=temperature, sampling=self.sampling)
 
     def build_request(self, body: dict[str, Any]) -> httpx.Request:
-        """The chat-completions request for `body` (not sent)."""
-        return self._http.build_request("POST", f"{self.base_url}/chat/completions", json=body)
+        """The request of one turn for `body` (not sent): chat completions, or the Messages API."""
+        return self._http.build_request("POST", f"{self.base_url}{self.dialect.path}", json=body)
 
     @contextmanager
     def _open(self, body: dict[str, Any], on_loading: Callable[[float], None] | None) -> Iterator[httpx.Response]:
@@ -439,49 +435,31 @@ class ChatClient:
                 if "text/event-stream" not in content_type:
                     # A server that ignored "stream": read the whole answer as one piece.
                     response.read()
-                    data = response.json()
-                    self._take_full(data, reply)
-                    if reply.content:
-                        reply.timings.first_token_s = time.monotonic() - start
-                        on_token(reply.content)
-                    server_timings = data.get("timings") if isinstance(data, dict) else None
+                    deltas: Iterator[Delta | None] = iter([self.dialect.whole(response.json())])
                 else:
-                    for event in _sse_events(response.iter_lines()):
-                        if event.strip() == "[DONE]":
-                            break
-                        try:
-                            chunk = json.loads(event)
-                        except ValueError:
-                            continue
-                        if not isinstance(chunk, dict):
-                            continue
-                        if "error" in chunk:
-                            err = chunk["error"]
-                            message = err.get("message") if isinstance(err, dict) else err
-                            raise ServerError(self.base_url, str(message or err))
-                        if isinstance(chunk.get("timings"), dict):
-                            server_timings = chunk["timings"]
-                        if isinstance(chunk.get("usage"), dict):
-                            reply.usage = chunk["usage"]
-                        reply.model = chunk.get("model") or reply.model
-                        for choice in chunk.get("choices") or []:
-                            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                                continue
-                            delta = choice.get("delta") or {}
-                            thought = delta.get("reasoning_content")
-                            if isinstance(thought, str) and thought:
-                                reply.reasoning += thought
-                                if on_reasoning:
-                                    on_reasoning(thought)
-                            text = delta.get("content")
-                            if isinstance(text, str) and text:
-                                if reply.timings.first_token_s is None:
-                                    reply.timings.first_token_s = time.monotonic() - start
-                                reply.content += text
-                                pieces += 1
-                                on_token(text)
-                            if choice.get("finish_reason"):
-                                reply.finish_reason = choice["finish_reason"]
+                    deltas = (self.dialect.event(data) for data in _sse_events(response.iter_lines()))
+                for delta in deltas:
+                    if delta is None:
+                        continue
+                    if delta.error is not None:
+                        raise ServerError(self.base_url, delta.error)
+                    if delta.done:
+                        break
+                    server_timings = delta.timings or server_timings
+                    if delta.usage:
+                        reply.usage = {**(reply.usage or {}), **delta.usage}
+                    reply.model = delta.model or reply.model
+                    if delta.reasoning:
+                        reply.reasoning += delta.reasoning
+                        if on_reasoning:
+                            on_reasoning(delta.reasoning)
+                    if delta.text:
+                        if reply.timings.first_token_s is None:
+                            reply.timings.first_token_s = time.monotonic() - start
+                        reply.content += delta.text
+                        pieces += 1
+                        on_token(delta.text)
+                    reply.finish_reason = delta.finish_reason or reply.finish_reason
         except KeyboardInterrupt:
             reply.interrupted = True
         except httpx.HTTPError as exc:
@@ -511,18 +489,6 @@ class ChatClient:
             return ApirctlError(f"the connection to {self.base_url} closed in the middle of the answer",
                                 hint="the server stopped or crashed: see `apirctl logs` and `apirctl ps`")
         return _unreachable(self.base_url, exc)
-
-    @staticmethod
-    def _take_full(data: Any, reply: Reply) -> None:
-        if not isinstance(data, dict):
-            return
-        reply.model = data.get("model")
-        reply.usage = data.get("usage") if isinstance(data.get("usage"), dict) else None
-        choices = data.get("choices") or []
-        if choices and isinstance(choices[0], dict):
-            message = choices[0].get("message") or {}
-            reply.content = str(message.get("content") or "")
-            reply.finish_reason = choices[0].get("finish_reason")
 
     @staticmethod
     def _client_timings(reply: Reply, first: float | None, total: float, pieces: int) -> Timings:

@@ -77,6 +77,11 @@ def chat(
     ),
     image: list[str] = _IMAGE,
     api_key: str = typer.Option(None, "--api-key", help="Bearer token, for servers started with an API key."),
+    api: str = typer.Option(
+        "openai", "--api", metavar="API",
+        help="The API to speak: openai (chat completions, the default) or anthropic (the Messages API, at "
+        "{URL}/messages; the key goes as x-api-key). llama-server serves both.",
+    ),
     timeout: float = typer.Option(
         None, "--timeout", min=0.0, help="Seconds to wait while the server is still loading its model."
     ),
@@ -102,8 +107,11 @@ def chat(
 
     Otherwise it opens an interactive session with line editing and history kept across sessions.
     """
+    from apirctl.chat import dialects
     from apirctl.errors import ApirctlError
 
+    if api not in dialects.APIS:
+        raise ApirctlError(f"unknown API {api!r}", hint=f"--api takes {' or '.join(dialects.APIS)}")
     if words and prompt is not None:
         raise ApirctlError("the prompt is given twice (as an argument and as --prompt)", hint="give one of them")
     if words:
@@ -119,14 +127,15 @@ def chat(
     talk(base_url, model or served_model, system=system, prompt=prompt, max_tokens=max_tokens,
          temperature=temperature, seed=seed, images=list(image or []), api_key=api_key, timeout=timeout,
          json_=json_, markdown=markdown, first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout,
-         ctx_size=ctx_size)
+         ctx_size=ctx_size, api=api)
 
 
 def talk(base_url: str, model: str | None, *, system: str | None = None, prompt: str | None = None,
          max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
          images: list[str] | None = None, api_key: str | None = None, timeout: float | None = None,
          first_byte_timeout: float = 300.0, stall_timeout: float = 60.0,
-         json_: bool = False, markdown: bool | None = None, ctx_size: int | None = None) -> None:
+         json_: bool = False, markdown: bool | None = None, ctx_size: int | None = None,
+         api: str = "openai") -> None:
     """The chat itself, with a server already chosen (`chat` and `run`)."""
     from apirctl import chat as lib
     from apirctl.cli.output import console, err_console, print_json
@@ -135,7 +144,7 @@ def talk(base_url: str, model: str | None, *, system: str | None = None, prompt:
     interactive = prompt is None and sys.stdin.isatty() and not json_
     parts = [lib.image_part(path) for path in images or []]  # a bad file fails before anything is sent
     with lib.ChatClient(base_url, model=model, api_key=api_key, load_timeout=timeout,
-                        first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout) as client:
+                        first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout, api=api) as client:
         if seed is not None:
             client.sampling["seed"] = seed
         if ctx_size is not None:

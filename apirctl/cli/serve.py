@@ -111,6 +111,11 @@ def serve(
         help="Linux virtgpu: the server's apir-host records every APIR command (`apirctl apir trace --server "
         "NAME` decodes it). Default: the apir_trace setting.", show_default=False,
     ),
+    metrics: bool = typer.Option(
+        True, "--metrics/--no-metrics",
+        help="llama-server's Prometheus metrics at /metrics on the server's port (`apirctl ps --stats` "
+        "reads them).",
+    ),
 ) -> None:
     """Start llama-server in a container on a model and wait until it answers.
 
@@ -128,7 +133,7 @@ def serve(
         api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
         insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
-        seed=seed, max_tokens=max_tokens, restart=restart, apir_trace=apir_trace, memory=memory,
+        seed=seed, max_tokens=max_tokens, restart=restart, apir_trace=apir_trace, memory=memory, metrics=metrics,
     )
     if generate:
         sys.stdout.write(lib.generate(opts, generate))
@@ -148,7 +153,8 @@ def serve(
     if started.notice:
         err_console().print(f"[yellow]notice:[/] {started.notice}", soft_wrap=True)
     if json_out:
-        print_json({**server.model_dump(mode="json"), "phases": [p.model_dump() for p in started.phases]})
+        print_json({**server.model_dump(mode="json"), "phases": [p.model_dump() for p in started.phases],
+                    "notice": started.notice})
     else:
         _print_ready(server, sum(p.seconds for p in started.phases), opts.api_key)
     if not detach:
@@ -263,6 +269,11 @@ def _uptime(created: datetime | None, state: str) -> str:
 def ps(
     all_: bool = typer.Option(False, "--all", "-a", help="Include stopped servers."),
     json_out: bool = typer.Option(False, "--json", help="Print the servers as a JSON list."),
+    stats: bool = typer.Option(
+        False, "--stats",
+        help="What each running server is doing, from its /metrics and /slots: generation and prompt "
+        "tokens/s (averages since it started), busy slots, deferred requests, KV-cache use, tokens so far.",
+    ),
 ) -> None:
     """List inference servers: apirctl's and the upstream Podman Desktop extension's (by label).
 
@@ -279,6 +290,9 @@ def ps(
     from apirctl.cli.output import console, print_json
 
     servers = lib.list_servers(all=all_)
+    if stats:
+        _print_stats(servers, json_out)
+        return
     if json_out:
         print_json([s.model_dump(mode="json") for s in servers])
         return
@@ -300,6 +314,39 @@ def ps(
         colour = {"ok": "green", "loading": "yellow"}.get(row[5], "red" if row[5] != "-" else "dim")
         table.add_row(*row[:5], f"[{colour}]{row[5]}[/]", row[6])
     console().print(table)
+
+
+def _print_stats(servers: list[Any], json_out: bool) -> None:
+    """`ps --stats`: one row per server (JSON: each server with its `stats`)."""
+    from apirctl.cli.output import console, print_json
+    from apirctl.serve import stats as server_stats
+
+    figures = [server_stats.collect(s) for s in servers]
+    if json_out:
+        print_json([{**s.model_dump(mode="json"), "stats": {**f.model_dump(mode="json"), "kv_ratio": f.kv_ratio}}
+                    for s, f in zip(servers, figures, strict=True)])
+        return
+    if not servers:
+        console().print("no inference servers running")
+        return
+    header = ("NAME", "GEN T/S", "PROMPT T/S", "BUSY", "DEFERRED", "KV CACHE", "GENERATED", "PROMPT")
+    rows = []
+    for f in figures:
+        if f.problem:
+            rows.append((f.name, f.problem, "", "", "", "", "", ""))
+            continue
+        busy = f"{f.busy_slots}/{f.slots}" if f.slots is not None else _num(f.busy_slots)
+        kv = f"{f.kv_tokens}/{f.kv_size} ({f.kv_ratio:.0%})" if f.kv_ratio is not None else "-"
+        rows.append((f.name, _num(f.generation_tps, 1), _num(f.prompt_tps, 1), busy, _num(f.deferred), kv,
+                     _num(f.tokens_generated), _num(f.prompt_tokens)))
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        console().print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(),
+                        markup=False, highlight=False, soft_wrap=True)
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def logs(

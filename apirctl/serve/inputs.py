@@ -48,6 +48,7 @@ class ServeOptions(BaseModel):
     restart: str | None = None  # a Podman restart policy
     memory: int | None = None  # the container's memory limit in bytes (`--memory`, read by `memory_limit`)
     apir_trace: bool = False  # virtgpu on Linux: the apir-host writes a trace (`apirctl apir trace`)
+    metrics: bool = True  # llama-server's Prometheus endpoint, /metrics on the server's port
 
 
 # --- options -----------------------------------------------------------------------------------

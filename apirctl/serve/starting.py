@@ -132,6 +132,12 @@ def _image_for(opts: ServeOptions, plan: Plan, on_status: ProgressFn | None, api
     return image.ensure(build)
 
 
+#: Where a Prometheus that discovers containers or pods by annotation finds the metrics (the port inside
+#: the container: a pod's; on the host the server's own URL serves /metrics too).
+SCRAPE_LABELS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(CONTAINER_PORT),
+                 "prometheus.io/path": "/metrics"}
+
+
 def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, kind: str = "chat") -> dict[str, str]:
     remote = {L_RPC_BACKENDS: ",".join(opts.rpc_backends)} if opts.rpc_backends else {}
     if opts.via_ssh:
@@ -159,6 +165,7 @@ def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, k
         L_GPU: GPU_LABELS[plan.transport],
         L_DOCS: DOCS_URL,
         L_TRACKING: secrets.token_hex(8),
+        **(SCRAPE_LABELS if opts.metrics else {}),
     }
 
 
@@ -174,6 +181,8 @@ def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list
         command += ["--threads", str(opts.threads)]
     if opts.api_key:
         command += ["--api-key", opts.api_key]
+    if opts.metrics:
+        command.append("--metrics")
     return command
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 from apirctl.serve import inputs, starting
 from tests.serve.conftest import apirctl, container_exists
@@ -167,6 +168,13 @@ def test_generate_kube_runs_with_podman_kube_play(podman: str, llama_image: str,
         assert wait_health(port) == "ok"
         answer = apirctl("chat", "--url", f"http://127.0.0.1:{port}/v1", "Hi", "--max-tokens", "4")
         assert answer.returncode == 0, answer.stderr
+        # the pod carries the scrape annotations, and the port they name serves the metrics
+        pod = yaml.safe_load(done.stdout)
+        annotations = pod["metadata"]["annotations"]
+        assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/path"]) == ("true", "/metrics")
+        ports = {p["containerPort"]: p["hostPort"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        metrics = httpx.get(f"http://127.0.0.1:{ports[int(annotations['prometheus.io/port'])]}/metrics", timeout=10)
+        assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
         # the probe became the container's Podman health check, and it passes (kube play runs it in a shell)
         container = f"{name}-llama-server"
         config = json.loads(podman_remote(podman, "inspect", container, "--format",
@@ -193,6 +201,7 @@ def test_generate_quadlet(podman: str, llama_image: str, demo_model: Path, name:
     assert f"Image={llama_image}" in unit and f"ContainerName={name}" in unit
     assert f"PublishPort=127.0.0.1:{port}:8000" in unit and f"Volume={demo_model}:/models/" in unit
     assert "Restart=always" in unit and "Exec=--model /models/" in unit
+    assert "Label=prometheus.io/scrape=true" in unit and " --metrics" in unit
     health = dict(line.split("=", 1) for line in unit.splitlines() if line.startswith("Health"))
     assert health == {"HealthCmd": "CMD /app/bin/apirctl-health 8000", "HealthInterval": "30s",
                       "HealthTimeout": "10s", "HealthRetries": "3", "HealthStartPeriod": "300s"}
