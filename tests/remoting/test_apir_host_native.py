@@ -163,8 +163,8 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | None = None,
-              ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
-    """apir-host on the CPU backend; yields (process, socket, log)."""
+              env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """apir-host on the CPU backend (with `env` added to its environment); yields (process, socket, log)."""
     path, log = workdir / "apir.sock", workdir / "apir-host.log"
     args = [str(exe), "--socket", str(path), "--backend-library", str(build.library("ggml-virtgpu-backend")),
             "--ggml-library", str(build.library("ggml-cpu"))]
@@ -173,7 +173,8 @@ def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | Non
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                 # a crash of the backend library (by design, in a child) is a signal, not a report
-                                env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:handle_segv=0"})
+                                env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:handle_segv=0",
+                                     **(env or {})})
     try:
         wait_for("apir-host to listen",
                  lambda: b"apir-host: listening on" in log.read_bytes() or proc.poll() is not None, 60)
