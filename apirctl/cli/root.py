@@ -22,6 +22,7 @@ from apirctl.cli import (
     chat,
     config,
     diagnose,
+    gpu,
     install,
     machine,
     models,
@@ -79,6 +80,7 @@ diagnose.register(app)
 app.add_typer(config.app, name="config")
 app.add_typer(apir.app, name="apir")
 app.add_typer(resident.app, name="resident")
+app.add_typer(gpu.app, name="gpu")
 
 
 def _metavar(param: Any) -> str:

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from apirctl import __version__, gpu, host
 from apirctl.build import image, llamacpp
 from apirctl.errors import ApirctlError
+from apirctl.gpu import nvidia
 from apirctl.macos import bundle
 from apirctl.remoting import hostloopback
 
@@ -168,6 +169,11 @@ def passthrough_lines(found: dict[str, Any]) -> list[str]:
     cdi = [d["kind"] + "=" + d["name"] for d in found.get("cdi_devices", [])]
     lines.append(f"CDI devices: {', '.join(cdi) or 'none'}"
                  + (f" ({len(found['cdi_problems'])} unreadable spec(s))" if found.get("cdi_problems") else ""))
+    nvidia_specs = sorted({d["spec"] for d in found.get("cdi_devices", []) if d["kind"] == "nvidia.com/gpu"})
+    if nvidia_specs:
+        whose = {True: "written by `apirctl gpu cdi`", False: "the NVIDIA container toolkit"}
+        lines.append("NVIDIA CDI spec: " + ", ".join(f"{s} ({whose[nvidia.generated_by_apirctl(s)]})"
+                                                     for s in nvidia_specs))
     nodes = [f"{n['path']} ({n['driver'] or 'unknown driver'}{'' if n['accessible'] else ', no access'})"
              for n in found.get("render_nodes", [])]
     lines.append(f"render nodes: {', '.join(nodes) or 'none'}" + (f"; {found['kfd']}" if found.get("kfd") else ""))

@@ -153,8 +153,8 @@ class PodmanApi(Protocol):
 _IMAGE_MISSING = re.compile(r"image not known|no such image", re.IGNORECASE)
 _CDI = re.compile(r"\bCDI\b")
 #: How to get the CDI spec of an NVIDIA GPU (Podman hands devices over by CDI name; the vendor's tool writes the spec).
-NVIDIA_CDI_FIX = ("install the NVIDIA container toolkit (nvidia-container-toolkit) and generate its CDI spec: "
-                  "`sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`")
+NVIDIA_CDI_FIX = ("write a CDI spec for the NVIDIA driver: `sudo apirctl gpu cdi` (or, with the NVIDIA container "
+                  "toolkit, `sudo nvidia-ctk cdi generate --output=/etc/cdi/nvidia.yaml`)")
 
 
 def _message(exc: Exception) -> str:
