@@ -16,7 +16,7 @@ DEFAULT_OUTPUT = Path("/etc/cdi")
 @app.command()
 def cdi(
     output: Annotated[Path | None, typer.Option(
-        "--output", "-o",
+        "--output",
         help="The spec file to write (default: /etc/cdi/apirctl-nvidia.yaml, where Podman reads specs).",
     )] = None,
     print_only: bool = typer.Option(False, "--print", help="Print the spec instead of writing it."),

@@ -1,20 +1,14 @@
 """`apirctl gpu cdi`: a CDI spec for the NVIDIA driver, for hosts without the NVIDIA container toolkit.
 
 This machine has no NVIDIA GPU. The spec is made from the same facts a driver gives (device nodes,
-the loader's cache, nvidia-smi's path) pointed at harmless files, then Podman consumes it for real
-and hands the container what it names. On a host with the driver the facts are the real ones.
+the loader's cache, nvidia-smi's path) pointed at harmless files; tests/serve/test_serve_gpu.py has
+Podman consume such a spec for real. On a host with the driver the facts are the real ones.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import stat
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -98,61 +92,3 @@ def test_on_a_host_without_the_driver_it_is_one_clear_error() -> None:
     lines = done.stderr.strip().splitlines()
     assert lines[0].startswith("apirctl: error: no CDI spec written: no NVIDIA GPU device node")
     assert lines[1].startswith("hint:")
-
-
-CDI_DIR = Path("/etc/cdi")
-
-
-@pytest.fixture
-def spec_on_disk(tmp_path: Path) -> Iterator[dict[str, object]]:
-    """The spec of a driver made of harmless files (its GPU nodes /dev/null, its libraries small files),
-    under a test kind, in /etc/cdi where Podman reads it."""
-    with contextlib.suppress(OSError):
-        CDI_DIR.mkdir(exist_ok=True)
-    if not os.access(CDI_DIR, os.W_OK):
-        pytest.skip(f"{CDI_DIR} is not writable by this user (Podman reads CDI specs only there and in /var/run/cdi)")
-    tmp_path.chmod(0o755)
-    dev = fake_dev(tmp_path, "nvidia0", "nvidiactl", "nvidia-uvm")
-    libs = tmp_path / "lib"
-    libs.mkdir(mode=0o755)
-    for name in nvidia.LIBRARIES:
-        (libs / name).write_text(f"the driver's {name}\n")
-        (libs / name).chmod(0o644)
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text("#!/bin/sh\n")
-    smi.chmod(0o755)
-    cache = "".join(f"\t{name} (libc6,x86-64) => {libs / name}\n" for name in nvidia.LIBRARIES)
-    driver = nvidia.find_driver(dev, cache, smi=str(smi), machine="x86-64")
-    kind = f"test{uuid.uuid4().hex[:8]}.apirctl.dev/gpu"
-    path = CDI_DIR / f"apirctl-test-{kind.split('.')[0]}.yaml"
-    nvidia.write(nvidia.render(nvidia.spec(driver, kind=kind)), path)
-    try:
-        yield {"kind": kind, "driver": driver, "libs": libs}
-    finally:
-        path.unlink(missing_ok=True)
-
-
-@pytest.mark.integration
-def test_podman_hands_over_what_the_spec_names(podman: str, llama_image: str, demo_model: Path, name: str,
-                                               port: int, spec_on_disk: dict[str, object]) -> None:
-    from tests.serve.conftest import apirctl
-
-    driver = spec_on_disk["driver"]
-    assert isinstance(driver, nvidia.NvidiaDriver)
-    done = apirctl("serve", str(demo_model), "--gpu-device", f"{spec_on_disk['kind']}=all", "--image", llama_image,
-                   "--port", str(port), "--name", name, "--json")
-    assert done.returncode == 0, done.stderr
-    try:
-        from apirctl.podman import engine
-
-        root = Path(f"/proc/{engine.client().containers.get(name).attrs['State']['Pid']}/root")
-        for node in [*driver.gpus.values(), *driver.control_nodes]:
-            found = os.stat(root / node.lstrip("/"))
-            assert stat.S_ISCHR(found.st_mode) and (os.major(found.st_rdev), os.minor(found.st_rdev)) == (1, 3)
-        for soname, path in driver.libraries.items():
-            assert (root / path.lstrip("/")).read_text() == f"the driver's {soname}\n"
-        assert driver.smi and (root / driver.smi.lstrip("/")).exists()
-        listed = json.loads(apirctl("ps", "--json").stdout)
-        assert any(s["name"] == name and s["transport"] == "gpu" for s in listed)
-    finally:
-        assert apirctl("stop", name).returncode == 0

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from apirctl.gpu import nvidia
 from tests.serve.conftest import apirctl
 
 pytestmark = pytest.mark.integration
@@ -118,3 +119,59 @@ def test_podmans_own_refusal_of_a_cdi_device_says_how_to_fix_it(podman: str, lla
         api.start(api.create(spec), name)
     assert "cannot give the container the device" in err.value.message and "CDI" in err.value.message
     assert err.value.hint and "nvidia-ctk cdi generate" in err.value.hint
+
+
+@pytest.fixture
+def nvidia_spec_on_disk(tmp_path: Path) -> Iterator[dict[str, object]]:
+    """`apirctl gpu cdi`'s spec of a driver made of harmless files (its GPU nodes /dev/null, its libraries small files),
+    under a test kind, in /etc/cdi where Podman reads it."""
+    with contextlib.suppress(OSError):
+        CDI_DIR.mkdir(exist_ok=True)
+    if not os.access(CDI_DIR, os.W_OK):
+        pytest.skip(f"{CDI_DIR} is not writable by this user (Podman reads CDI specs only there and in /var/run/cdi)")
+    tmp_path.chmod(0o755)
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    for node in ("nvidia0", "nvidiactl", "nvidia-uvm"):
+        (dev / node).symlink_to("/dev/null")
+    libs = tmp_path / "lib"
+    libs.mkdir(mode=0o755)
+    for name in nvidia.LIBRARIES:
+        (libs / name).write_text(f"the driver's {name}\n")
+        (libs / name).chmod(0o644)
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\n")
+    smi.chmod(0o755)
+    cache = "".join(f"\t{name} (libc6,x86-64) => {libs / name}\n" for name in nvidia.LIBRARIES)
+    driver = nvidia.find_driver(dev, cache, smi=str(smi), machine="x86-64")
+    kind = f"test{uuid.uuid4().hex[:8]}.apirctl.dev/gpu"
+    path = CDI_DIR / f"apirctl-test-{kind.split('.')[0]}.yaml"
+    nvidia.write(nvidia.render(nvidia.spec(driver, kind=kind)), path)
+    try:
+        yield {"kind": kind, "driver": driver, "libs": libs}
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_podman_hands_over_what_apirctls_nvidia_spec_names(podman: str, llama_image: str, demo_model: Path, name: str,
+                                               port: int, nvidia_spec_on_disk: dict[str, object]) -> None:
+    driver = nvidia_spec_on_disk["driver"]
+    assert isinstance(driver, nvidia.NvidiaDriver)
+    device = f"{nvidia_spec_on_disk['kind']}=all"
+    done = apirctl("serve", str(demo_model), "--gpu-device", device, "--image", llama_image, "--port", str(port),
+                   "--name", name, "--json")
+    assert done.returncode == 0, done.stderr
+    try:
+        from apirctl.podman import engine
+
+        root = Path(f"/proc/{engine.client().containers.get(name).attrs['State']['Pid']}/root")
+        for node in [*driver.gpus.values(), *driver.control_nodes]:
+            found = os.stat(root / node.lstrip("/"))
+            assert stat.S_ISCHR(found.st_mode) and (os.major(found.st_rdev), os.minor(found.st_rdev)) == (1, 3)
+        for soname, path in driver.libraries.items():
+            assert (root / path.lstrip("/")).read_text() == f"the driver's {soname}\n"
+        assert driver.smi and (root / driver.smi.lstrip("/")).exists()
+        listed = json.loads(apirctl("ps", "--json").stdout)
+        assert any(s["name"] == name and s["transport"] == "gpu" for s in listed)
+    finally:
+        assert apirctl("stop", name).returncode == 0
