@@ -65,7 +65,8 @@ def test_llama_server_command_line() -> None:
     command = starting._llama_command(opts, "file.gguf", "demo")
     assert command[:4] == ["--model", "/models/file.gguf", "--host", "0.0.0.0"]
     assert command[command.index("--port") + 1] == "8000" and command[command.index("--ctx-size") + 1] == "2048"
-    assert command[-4:] == ["--threads", "3", "--api-key", "k"]
+    assert command[-5:] == ["--threads", "3", "--api-key", "k", "--metrics"]
+    assert "--metrics" not in starting._llama_command(opts.model_copy(update={"metrics": False}), "file.gguf", "demo")
 
 
 def test_options_take_settings_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
