@@ -132,8 +132,11 @@ def nvidia_spec_on_disk(tmp_path: Path) -> Iterator[dict[str, object]]:
     tmp_path.chmod(0o755)
     dev = tmp_path / "dev"
     dev.mkdir()
-    for node in ("nvidia0", "nvidiactl", "nvidia-uvm"):
-        (dev / node).symlink_to("/dev/null")
+    for node in ("nvidia0", "nvidiactl", "nvidia-uvm"):  # /dev/null's device under the driver's names
+        try:
+            os.mknod(dev / node, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        except PermissionError:
+            pytest.skip("making a device node needs root")
     libs = tmp_path / "lib"
     libs.mkdir(mode=0o755)
     for name in nvidia.LIBRARIES:
