@@ -232,7 +232,7 @@ def run_remoting(ctx: Context) -> ModeOutcome:
     ctx.facts["transport"] = plan.transport
     device = str(status.details.get("device") or "") if status is not None and plan.transport == "rpc" else ""
     if gpu.backend_on_cpu(device):
-        ctx.facts["remoting_note"] = (f"the remoting backend computes on the CPU ({device.split(' (', 1)[0]}): on this "
+        ctx.facts["remoting_note"] = (f"the remoting backend computes on the CPU ({gpu.device_names(device)}): on this "
                                       f"host the remoting row measures the transport, not a speed-up")
     if client == "host" and plan.transport != "rpc":
         raise Skipped(f"the host client reaches the backend over rpc only, not {plan.transport} "

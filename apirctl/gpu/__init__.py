@@ -17,6 +17,7 @@ from apirctl.gpu.choice import (
     Remoting,
     backend_on_cpu,
     decide,
+    device_names,
     find_passthrough,
 )
 from apirctl.gpu.devices import DeviceFiles, RenderNode, scan
@@ -24,6 +25,7 @@ from apirctl.gpu.host import GpuReport, facts, gpu_builds, report
 
 __all__ = [
     "Blocked", "CdiDevice", "CdiInventory", "Choice", "DeviceFiles", "GpuReport", "ImageBackend",
-    "NVIDIA_CDI_FIX", "Passthrough", "Remoting", "RenderNode", "SPEC_DIRS", "backend_on_cpu", "decide", "facts",
+    "NVIDIA_CDI_FIX", "Passthrough", "Remoting", "RenderNode", "SPEC_DIRS", "backend_on_cpu", "decide",
+    "device_names", "facts",
     "find_passthrough", "gpu_builds", "inventory", "is_qualified", "parse_spec", "report", "scan",
 ]

@@ -157,6 +157,11 @@ def backend_on_cpu(device: str) -> bool:
     return bool(names) and all(name.upper().startswith("CPU") for name in names)
 
 
+def device_names(device: str) -> str:
+    """A backend's device line without its memory figures: "CPU: AMD EPYC (24105 MiB, ...)" -> "CPU: AMD EPYC"."""
+    return ", ".join(part.split(" (", 1)[0] for part in device.split(", ") if ":" in part) or device
+
+
 def decide(platform: str, offer: Passthrough | Blocked, remoting: Remoting) -> Choice:
     """`auto`'s decision table: passthrough, else remoting to a GPU backend, else the container's CPU;
     one line why."""
@@ -166,7 +171,7 @@ def decide(platform: str, offer: Passthrough | Blocked, remoting: Remoting) -> C
         offer = Blocked(reason="containers run in the podman machine's VM, whose GPU cannot be handed over")
     assert isinstance(offer, Blocked)
     if remoting.ready and remoting.on_cpu:
-        device = remoting.device.split(" (", 1)[0]
+        device = device_names(remoting.device)
         return Choice(transport="none",
                       reason=f"the container's CPU: no passthrough ({offer.reason}), and the {remoting.kind} backend "
                              f"computes on the CPU too ({device}), where remoting only adds its transport; "

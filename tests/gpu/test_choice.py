@@ -16,6 +16,7 @@ from apirctl.gpu import (
     RenderNode,
     backend_on_cpu,
     decide,
+    device_names,
 )
 from apirctl.gpu import find_passthrough as offer
 
@@ -157,4 +158,5 @@ def test_every_combination_yields_one_line_and_the_fastest_path() -> None:
 )
 def test_a_backend_is_on_the_cpu_only_when_every_device_is_a_cpu(device: str, on_cpu: bool) -> None:
     assert backend_on_cpu(device) is on_cpu
+    assert "MiB" not in device_names(device)
     assert Remoting(kind="rpc", ready=True, device=device).on_cpu is on_cpu
