@@ -123,7 +123,7 @@ def chat(
     if port:
         url = f"http://127.0.0.1:{port}/v1"
     interactive = prompt is None and sys.stdin.isatty() and not json_
-    base_url, served_model = _target(url, name, interactive)
+    base_url, served_model = _target(url, name, interactive, model)
     talk(base_url, model or served_model, system=system, prompt=prompt, max_tokens=max_tokens,
          temperature=temperature, seed=seed, images=list(image or []), api_key=api_key, timeout=timeout,
          json_=json_, markdown=markdown, first_byte_timeout=first_byte_timeout, stall_timeout=stall_timeout,
@@ -223,10 +223,11 @@ class _LoadingNotice:
             self.status = None
 
 
-def _target(url: str | None, name: str | None, interactive: bool) -> tuple[str, str | None]:
+def _target(url: str | None, name: str | None, interactive: bool, model: str | None = None) -> tuple[str, str | None]:
     """The base URL (and served model) to talk to: --url, or the running server found by its labels.
 
-    With several servers running and a terminal to ask on, the user picks one.
+    With several servers running and a terminal to ask on, the user picks one. A server of several
+    models needs --model, one of them.
     """
     if url:
         return url, None
@@ -245,7 +246,24 @@ def _target(url: str | None, name: str | None, interactive: bool) -> tuple[str, 
             raise
         server = _choose(running)
     refuse_non_chat(server)
+    if server.router:
+        _pick_of_several(server, model)
+        return server.url, None
     return server.url, server.model if server.model != "?" else None
+
+
+def _pick_of_several(server: Server, model: str | None) -> None:
+    """A router server answers the model a request names: --model must be one it serves."""
+    from apirctl.errors import ApirctlError
+
+    names = server.model_names
+    shown = ", ".join(names) or "see `apirctl ps`"
+    if not model:
+        raise ApirctlError(f"{server.name} serves several models ({shown})",
+                           hint=f"pick one with --model, e.g. `apirctl chat --model {names[0] if names else 'NAME'}`")
+    if names and model not in names:
+        raise ApirctlError(f"{server.name} serves no model {model!r} (its models: {shown})",
+                           hint="pick one of them with --model")
 
 
 def refuse_non_chat(server: Server) -> None:

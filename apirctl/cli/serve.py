@@ -19,11 +19,17 @@ SERVE_EPILOG = (
     "  apirctl serve smollm2 --restart on-failure:3  # Podman restarts it when it fails\n\n"
     "  apirctl serve smollm2 --transport rpc --memory 8g   # 8 GiB at most, its backend pins no more\n\n"
     "  apirctl serve smollm2 --transport virtgpu --apir-trace   # APIR (Linux: an apir-host of its own)\n\n"
+    "  apirctl serve smollm2 ./other.gguf --models-max 1   # two models, one port, one loaded at a time\n\n"
+    "  apirctl serve --models-dir ~/models --idle-unload 5m   # every GGUF there; unloaded after 5 idle minutes\n\n"
     "  apirctl serve smollm2 --generate kube > smollm2.yaml   # then: podman kube play smollm2.yaml\n\n"
     "  apirctl serve smollm2 --generate quadlet > ~/.config/containers/systemd/smollm2.container"
 )
 
-_LLAMA_ARGS = typer.Argument(None, help="Extra llama-server flags, after `--`.", show_default=False)
+_LLAMA_ARGS = typer.Argument(
+    None, metavar="MORE-MODELS... [-- LLAMA-ARGS]", show_default=False,
+    help="More models, served together by llama-server's router mode behind one port (a request's `model` "
+    "picks one; each loads on first use), then extra llama-server flags after `--`.",
+)
 _RPC_BACKEND = typer.Option(
     None, "--rpc-backend", metavar="HOST:PORT",
     help="A llama.cpp RPC backend (`apirctl machine restart --remoting --listen tcp` on that host); repeat it to "
@@ -116,8 +122,26 @@ def serve(
         help="llama-server's Prometheus metrics at /metrics on the server's port (`apirctl ps --stats` "
         "reads them).",
     ),
+    models_dir: str = typer.Option(
+        None, "--models-dir", metavar="DIR",
+        help="Serve every GGUF in DIR (a subdirectory per model of several files) behind one port, instead of "
+        "naming models; each is named after its file or subdirectory.",
+    ),
+    models_max: int = typer.Option(
+        None, "--models-max", metavar="N",
+        help="Several models: how many stay loaded at once; a request for another unloads the least recently "
+        "used (0: no limit; default 4; rpc and virtgpu: 1, their backend serves one client).",
+    ),
+    idle_unload: str = typer.Option(
+        None, "--idle-unload", metavar="DURATION",
+        help="Unload a model after this long without requests (30s, 5m, 1h); the next request loads it "
+        "again. Default: never.",
+    ),
 ) -> None:
-    """Start llama-server in a container on a model and wait until it answers.
+    """Start llama-server in a container on a model (or several) and wait until it answers.
+
+    Several models (`serve A B`, or --models-dir) share one container and port: llama-server's router
+    mode lists them at /v1/models and loads each on its first request, through the same transport.
 
     Phases (image, container, loading model) are shown with their time. When ready it prints the
     OpenAI base URL and lines to paste. If the server exits or is not ready in time, its last
@@ -127,10 +151,12 @@ def serve(
     from apirctl import serve as lib
     from apirctl.cli.output import err_console, print_json
 
+    more, llama_args = _split_models(list(llama_args or []))
+    first = model or ("" if models_dir else config.settings().default_model)
     opts = lib.options(
-        model or config.settings().default_model,
-        port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl, threads=threads,
-        api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=list(llama_args or []),
+        first, models=[first, *more] if more else None, models_dir=models_dir, models_max=models_max,
+        idle_unload=idle_unload, port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl,
+        threads=threads, api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=llama_args,
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
         insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
         seed=seed, max_tokens=max_tokens, restart=restart, apir_trace=apir_trace, memory=memory, metrics=metrics,
@@ -161,13 +187,23 @@ def serve(
         _foreground(server.name, since=int(ready_at))
 
 
+def _split_models(args: list[str]) -> tuple[list[str], list[str]]:
+    """`serve A B C -- --temp 0.2`: the words before the first flag are more models, the rest goes to
+    llama-server (whose flags all start with '-'), as `run` splits its prompt."""
+    first_flag = next((i for i, arg in enumerate(args) if arg.startswith("-")), len(args))
+    return args[:first_flag], args[first_flag:]
+
+
 def _print_ready(server: Any, total: float, api_key: str | None) -> None:
     """The ready line and lines to paste: rich on a terminal, plain text on a pipe."""
     auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    names = server.model_names or ["NAME"]
+    pick = f" --model {names[0]}" if server.router else ""
+    field = f'"model":"{names[0]}",' if server.router else ""
     lines = [
-        f"  chat:  apirctl chat --url {server.url}",
+        f"  chat:  apirctl chat --url {server.url}{pick}",
         f"  curl:  curl -s {server.url}/chat/completions -H 'Content-Type: application/json'{auth} "
-        """-d '{"messages":[{"role":"user","content":"Hello!"}]}'""",
+        f"""-d '{{{field}"messages":[{{"role":"user","content":"Hello!"}}]}}'""",
         f"  logs:  apirctl logs {server.name} -f",
         f"  stop:  apirctl stop {server.name}",
     ]
@@ -282,7 +318,8 @@ def ps(
     its exit code and why (`--json`: `why`). TRANSPORT is none, gpu, virtgpu (macOS),
     virtgpu-socket (Linux: an apir-host of its own), or rpc with its link: rpc-shm (a backend of its
     own, shared memory), rpc-unix (its own backend, on the socket) or rpc-tcp (the shared or a
-    remote TCP backend).
+    remote TCP backend). A server of several models shows each, with its state when it is not
+    unloaded: loaded, loading or sleeping (`--json`: `models`).
     """
     from rich.table import Table
 
@@ -300,7 +337,7 @@ def ps(
         console().print("no inference servers" + ("" if all_ else " running (`apirctl ps -a` shows stopped ones)"))
         return
     header = ("NAME", "MODEL", "TRANSPORT", "URL", "STATE", "HEALTH", "UPTIME")
-    rows = [(s.name, s.model, s.transport_name, s.url, s.state, s.health if s.running else s.why or s.health,
+    rows = [(s.name, _models_cell(s), s.transport_name, s.url, s.state, s.health if s.running else s.why or s.health,
              _uptime(s.created, s.state)) for s in servers]
     if not console().is_terminal:  # pipes get plain aligned columns, never wrapped or cut
         widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -314,6 +351,13 @@ def ps(
         colour = {"ok": "green", "loading": "yellow"}.get(row[5], "red" if row[5] != "-" else "dim")
         table.add_row(*row[:5], f"[{colour}]{row[5]}[/]", row[6])
     console().print(table)
+
+
+def _models_cell(server: Any) -> str:
+    """A router's models with the state of each that is not simply unloaded (loaded, loading, sleeping)."""
+    if not server.router or not server.models:
+        return str(server.model)
+    return ", ".join(name if state == "unloaded" else f"{name} ({state})" for name, state in server.models.items())
 
 
 def _print_stats(servers: list[Any], json_out: bool) -> None:

@@ -32,6 +32,8 @@ L_VIA_SSH = "apirctl.via-ssh"
 L_TUNNELS = "apirctl.ssh-tunnels"  # pids of the SSH tunnels this server uses (closed by `stop`)
 L_RPC_LINK = "apirctl.rpc-link"  # rpc: unix (a backend of its own, on a mounted socket) or tcp
 L_RPC_INSTANCE = "apirctl.rpc-instance"  # rpc: the backend instance it was started against (random per start)
+L_ROUTER = "apirctl.router"  # "true": llama-server's router mode, several models (L_MODEL names them, comma-separated)
+L_MODELS_DIR = "apirctl.models-dir"  # router: the host directory it lists, when given instead of models
 L_APIR_HOST = "apirctl.apir-host"  # virtgpu on Linux: the id of its own apir-host (apirctl.remoting.apir_hosts)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
 L_APIR = "llama-cpp.apir"
@@ -71,6 +73,16 @@ class Server(BaseModel):
     started: float | None = None  # when its container last started (Unix seconds), where Podman says
     exit_code: int | None = None  # Podman's, for a container that exited
     why: str = ""  # why it does not serve, when apirctl knows: a health problem, or what it exited of
+    router: bool = False  # several models behind one endpoint (llama-server's router mode)
+    models_dir: str = ""  # router: the host directory it lists, when it was given one
+    models: dict[str, str] = Field(default_factory=dict)  # router: each model's state (loaded, unloaded, sleeping...)
+
+    @property
+    def model_names(self) -> list[str]:
+        """The models a router serves: as it lists them when it was asked, else as serve named them."""
+        if self.models:
+            return list(self.models)
+        return [m for m in self.model.split(",") if m] if self.router and not self.models_dir else []
 
     @property
     def transport_name(self) -> str:
@@ -135,6 +147,8 @@ def from_listed(item: dict[str, Any]) -> Server:
         apir_host=labels.get(L_APIR_HOST, ""),
         started=_started(item),
         exit_code=_exit_code(item),
+        router=labels.get(L_ROUTER) == "true",
+        models_dir=labels.get(L_MODELS_DIR, ""),
     )
 
 

@@ -86,6 +86,12 @@ class Plan(BaseModel):
         return self.transport != "none"
 
     @property
+    def one_client(self) -> bool:
+        """Its backend serves one client at a time (ggml-rpc-server, apir-host, krunkit's device): a router
+        server (several models) keeps one model loaded, as each model is a client of its own."""
+        return self.transport in ("rpc", "virtgpu")
+
+    @property
     def needs_backend(self) -> bool:
         """The caller starts a backend for this container (`backends.start`, then `with_backend`)."""
         return self.rpc_link == "unix" and not self.mounts

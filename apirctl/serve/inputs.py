@@ -49,6 +49,15 @@ class ServeOptions(BaseModel):
     memory: int | None = None  # the container's memory limit in bytes (`--memory`, read by `memory_limit`)
     apir_trace: bool = False  # virtgpu on Linux: the apir-host writes a trace (`apirctl apir trace`)
     metrics: bool = True  # llama-server's Prometheus endpoint, /metrics on the server's port
+    models: list[str] = Field(default_factory=list)  # several models: llama-server's router mode, one container
+    models_dir: Path | None = None  # a host directory of GGUFs the router lists (instead of `models`)
+    models_max: int | None = None  # router: models loaded at once (0: no limit; default llama-server's 4)
+    idle_unload: int | None = None  # seconds without requests after which a model is unloaded (None: never)
+
+    @property
+    def router(self) -> bool:
+        """Several models behind one endpoint: llama-server's router mode."""
+        return len(self.models) > 1 or self.models_dir is not None
 
 
 # --- options -----------------------------------------------------------------------------------
@@ -68,6 +77,9 @@ def options(model: str, **flags: Any) -> ServeOptions:
         raise ApirctlError("--via-ssh and --insecure-network only apply with --rpc-backend HOST:PORT")
     if isinstance(flags.get("memory"), str):
         flags = {**flags, "memory": memory_limit(flags["memory"])}
+    if isinstance(flags.get("idle_unload"), str):
+        flags = {**flags, "idle_unload": idle_seconds(flags["idle_unload"])}
+    flags = _router_flags(model, flags)
     if flags.get("gpu_devices"):
         if flags.get("transport") not in (None, "gpu"):
             raise ApirctlError(f"--gpu-device uses the gpu transport, not --transport {flags['transport']}")
@@ -80,6 +92,57 @@ def options(model: str, **flags: Any) -> ServeOptions:
     values["timeout"] = settings.health_timeout
     values.update({k: v for k, v in flags.items() if k not in keys and v is not None})
     return ServeOptions(model=model, **values)
+
+
+def _router_flags(model: str, flags: dict[str, Any]) -> dict[str, Any]:
+    """Check the router's inputs (several models, --models-dir, --models-max) before anything starts."""
+    refs = [ref for ref in (flags.get("models") or [model]) if ref]
+    directory = flags.get("models_dir")
+    if directory is not None:
+        if refs:
+            raise ApirctlError("give models or --models-dir, not both",
+                               hint="put the models into the directory, or name them without --models-dir")
+        path = Path(directory).expanduser()
+        if not path.is_dir():
+            raise ApirctlError(f"--models-dir {directory}: no such directory",
+                               hint="a directory of .gguf files (a subdirectory per model of several files)")
+        flags = {**flags, "models_dir": path.resolve()}
+    if len(set(refs)) < len(refs):
+        raise ApirctlError("a model is named twice", hint="name each model once")
+    flags = {**flags, "models": refs if len(refs) > 1 else []}
+    models_max = flags.get("models_max")
+    if models_max is not None:
+        if models_max < 0:
+            raise ApirctlError(f"--models-max {models_max} is below 0", hint="0 for no limit, else how many at once")
+        if len(refs) < 2 and directory is None:
+            raise ApirctlError("--models-max limits the models of a server of several",
+                               hint="name several models (`serve A B`) or give --models-dir")
+    return flags
+
+
+#: --idle-unload: a whole number of seconds, or of s, m, h and d each once in that order (90, 30s, 5m, 1h30m);
+#: 0, off and never turn it off.
+_DURATION = re.compile(r"(?:(\d{1,6})d)?(?:(\d{1,6})h)?(?:(\d{1,6})m)?(?:(\d{1,9})s)?", re.IGNORECASE)
+IDLE_HINT = "a length of time: seconds, or with s, m, h or d (30s, 5m, 1h30m); 0, off or never: keep models loaded"
+
+
+def idle_seconds(text: str) -> int | None:
+    """The seconds of an `--idle-unload` duration, None for off; a one-line error for anything else."""
+    given = text.strip().lower()
+    if given in ("0", "off", "never", "no"):
+        return None
+    if given.isdigit():
+        return int(given)
+    found = _DURATION.fullmatch(given)
+    if not given or not found:
+        raise ApirctlError(f"--idle-unload {text!r} is not a length of time", hint=IDLE_HINT)
+    days, hours, minutes, secs = (int(part or 0) for part in found.groups())
+    total = ((days * 24 + hours) * 60 + minutes) * 60 + secs
+    if total == 0:
+        return None
+    if total > 2**31 - 1:  # llama-server keeps it as a C int
+        raise ApirctlError(f"--idle-unload {text!r} is longer than llama-server can wait", hint=IDLE_HINT)
+    return total
 
 
 #: Podman's --memory: a whole or decimal number and an optional binary unit (k, m, g, t, p; with b, ib or
@@ -271,3 +334,40 @@ def resolve_model(ref: str) -> ModelFile:
     return ModelFile(path=found.path, filename=found.filename, name=name, files=found.files(),
                      mmproj=found.mmproj.filename if found.mmproj else None,
                      kind=models.header(found.path).kind, params=found.params)
+
+
+class ModelSet(BaseModel):
+    """The models of a router server: resolved models, each under a name of its own, or a host directory
+    that llama-server lists itself."""
+
+    models: list[ModelFile] = Field(default_factory=list)
+    directory: Path | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [m.name for m in self.models]
+
+    @property
+    def label(self) -> str:
+        """What `ps` shows before the server is asked: the names, or the directory."""
+        return ",".join(self.names) if self.models else str(self.directory)
+
+
+def resolve_models(opts: ServeOptions) -> ModelSet:
+    """The router's models, each named as llama-server will list it (a directory's name: letters,
+    digits, '.', '_' and '-'); two models of one name, or a model that does not chat, are refused
+    (the router gives every model the same llama-server flags, and --embeddings is not a chat's)."""
+    if opts.models_dir is not None:
+        return ModelSet(directory=opts.models_dir)
+    found: list[ModelFile] = []
+    for ref in opts.models:
+        model = resolve_model(ref)
+        name = re.sub(r"[^A-Za-z0-9._-]+", "-", model.name).strip("-.") or "model"
+        if model.kind != "chat":
+            raise ApirctlError(f"{ref} is not a chat model ({model.kind}): a server of several serves chat models",
+                               hint=f"serve it on its own: `apirctl serve {ref}`")
+        if name in (m.name for m in found):
+            raise ApirctlError(f"two of the models are called {name}", hint="serve one of them on its own, or "
+                               "give one another file name")
+        found.append(model.model_copy(update={"name": name}))
+    return ModelSet(models=found)

@@ -56,6 +56,31 @@ def health(base: str, timeout: float = 1.0) -> str:
     return "error"
 
 
+def router_models(base: str, timeout: float = 3.0) -> dict[str, str]:
+    """A router server's models and the state of each (loaded, loading, unloaded, sleeping), from its
+    GET /models, which loads nothing and wakes no model; {} when it does not answer as a router does."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(base)
+    conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port or 80, timeout=timeout)
+    try:
+        conn.request("GET", f"{parts.path.rstrip('/')}/models")
+        response = conn.getresponse()
+        data = json.loads(response.read()) if response.status == 200 else None
+    except (OSError, http.client.HTTPException, ValueError):
+        return {}
+    finally:
+        conn.close()
+    found: dict[str, str] = {}
+    for entry in (data.get("data") if isinstance(data, dict) else None) or []:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            status = entry.get("status")
+            found[entry["id"]] = str(status.get("value", "?")) if isinstance(status, dict) else "?"
+    return found
+
+
 def _rpc_problem(server: Server) -> str | None:
     """Why an rpc server cannot work now: its SSH tunnel is gone, or (no explicit backends) its
     backend is down or was restarted under it."""
@@ -94,6 +119,8 @@ def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]: 
         for server in servers:
             if server.running:
                 server.health = _health_of(server)
+                if server.router:
+                    server.models = router_models(server.base)
             server.why = _why(server)
     return servers
 

@@ -35,6 +35,8 @@ from apirctl.podman.servers import (
     L_HOST_IP,
     L_KIND,
     L_MODEL,
+    L_MODELS_DIR,
+    L_ROUTER,
     L_RPC_BACKENDS,
     L_RPC_INSTANCE,
     L_RPC_LINK,
@@ -52,13 +54,15 @@ from apirctl.podman.servers import (
 from apirctl.remoting import apir_hosts, backends, rpc_server, transport, tunnel
 from apirctl.serve.inputs import (
     ModelFile,
+    ModelSet,
     ServeOptions,
     claim_port,
     publish_ip,
     resolve_model,
+    resolve_models,
     server_url,
 )
-from apirctl.serve.servers import STOP_TIMEOUT, find_server, health, list_servers
+from apirctl.serve.servers import STOP_TIMEOUT, find_server, health, list_servers, router_models
 from apirctl.serve.units import FORMATS, check_restart
 from apirctl.serve.units import kube as kube_yaml
 from apirctl.serve.units import quadlet as quadlet_unit
@@ -99,6 +103,8 @@ class ServeFailed(ApirctlError):
 
 
 ProgressFn = Callable[[str], None]
+#: What a server serves: one model, or (router mode) a set of them.
+Served = ModelFile | ModelSet
 
 
 # --- starting ----------------------------------------------------------------------------------
@@ -140,6 +146,10 @@ SCRAPE_LABELS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(CONTA
 
 def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, kind: str = "chat") -> dict[str, str]:
     remote = {L_RPC_BACKENDS: ",".join(opts.rpc_backends)} if opts.rpc_backends else {}
+    if opts.router:
+        remote[L_ROUTER] = "true"
+    if opts.models_dir is not None:
+        remote[L_MODELS_DIR] = str(opts.models_dir)
     if opts.via_ssh:
         remote[L_VIA_SSH] = opts.via_ssh
     if plan.tunnels:
@@ -183,7 +193,64 @@ def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list
         command += ["--api-key", opts.api_key]
     if opts.metrics:
         command.append("--metrics")
+    if opts.idle_unload:
+        command += ["--sleep-idle-seconds", str(opts.idle_unload)]
     return command
+
+
+def models_max(opts: ServeOptions, plan: Plan) -> tuple[int | None, str | None]:
+    """How many models a router server keeps loaded (None: llama-server's default), and why when the
+    transport decides it: a backend that serves one client at a time holds one model's instance."""
+    if not plan.one_client:
+        return opts.models_max, None
+    if opts.models_max not in (None, 1):
+        raise ApirctlError(f"--transport {plan.transport} keeps one model loaded at a time (its backend serves one "
+                           f"client), not --models-max {opts.models_max}",
+                           hint="leave --models-max out, or serve with --transport none or gpu")
+    return 1, (f"one model loaded at a time: the {plan.transport} backend serves one client, so a request "
+               "for another model unloads the loaded one")
+
+
+def _router_command(opts: ServeOptions, plan: Plan) -> list[str]:
+    """llama-server's router: no model of its own; it lists MODELS_DIR (a directory per model) and
+    starts a child llama-server per model on its first request, each with these flags."""
+    command = ["--models-dir", MODELS_DIR, "--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
+               "--ctx-size", str(opts.ctx_size)]
+    if opts.threads:
+        command += ["--threads", str(opts.threads)]
+    if opts.api_key:
+        command += ["--api-key", opts.api_key]
+    if opts.metrics:
+        command.append("--metrics")
+    if opts.idle_unload:
+        command += ["--sleep-idle-seconds", str(opts.idle_unload)]
+    limit, _ = models_max(opts, plan)
+    if limit is not None:
+        command += ["--models-max", str(limit)]
+    given = {"--temp": opts.temperature, "--seed": opts.seed, "--n-predict": opts.max_tokens}
+    for flag, value in given.items():
+        if value is not None:
+            command += [flag, str(value)]
+    return command
+
+
+def _router_mounts(chosen: ModelSet) -> list[BindMount]:
+    """A directory per model under MODELS_DIR, named as the router lists it: a single file as
+    `model.gguf` (a name the router takes for neither a projector nor a draft), split parts under
+    their own names, the projector under a name with "mmproj" in it. A --models-dir is mounted whole."""
+    if chosen.directory is not None:
+        return [BindMount(source=chosen.directory, target=MODELS_DIR, read_only=True)]
+    mounts = []
+    for model in chosen.models:
+        files = model.files or [models.ModelFile(path=model.path, filename=model.filename)]
+        parts = [f for f in files if f.filename != model.mmproj]
+        for f in files:
+            if f.filename == model.mmproj:
+                target = f.filename if "mmproj" in f.filename else f"mmproj-{f.filename}"
+            else:
+                target = "model.gguf" if len(parts) == 1 else f.filename
+            mounts.append(BindMount(source=f.path, target=f"{MODELS_DIR}/{model.name}/{target}", read_only=True))
+    return mounts
 
 
 #: Ollama's params that have a llama-server flag of the same meaning.
@@ -309,9 +376,9 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
                               own_image=opts.image is not None)
         _one_virtgpu_at_a_time(plan)
     phase("model")
-    model = resolve_model(opts.model)
+    model: Served = resolve_models(opts) if opts.router else resolve_model(opts.model)
     api = containers.connect()
-    name = _pick_name(opts, model.name, api)
+    name = _pick_name(opts, _display_name(model), api)
     instance = None
     apir = None
     try:  # every resource below is made inside the scope that removes it on any failure or Ctrl-C
@@ -338,19 +405,36 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
             if apir is not None:
                 apir_hosts.stop(apir)
         raise
-    return Started(server=server, phases=phases, notice=plan.notice)
+    _, router_notice = models_max(opts, plan) if opts.router else (None, None)
+    return Started(server=server, phases=phases, notice="; ".join(n for n in (plan.notice, router_notice) if n) or None)
 
 
-def _spec(opts: ServeOptions, plan: Plan, model: ModelFile, name: str, image_ref: str) -> ContainerSpec:
-    """The container `serve` runs (also what `--generate` writes down)."""
+def _display_name(model: Served) -> str:
+    """The name a container is called after: the model's; for a router, its directory's or `models`."""
+    if isinstance(model, ModelSet):
+        return model.directory.name if model.directory is not None else "models"
+    return model.name
+
+
+def _spec(opts: ServeOptions, plan: Plan, model: Served, name: str, image_ref: str) -> ContainerSpec:
+    """The container `serve` runs (also what `--generate` writes down): one model, or the router over a set."""
+    if isinstance(model, ModelSet):
+        command = _router_command(opts, plan)
+        first = model.directory / "model.gguf" if model.directory is not None else model.models[0].path
+        labels = _labels(opts, plan, first, model.label)
+        mounts = _router_mounts(model)
+    else:
+        command = _llama_command(opts, model.filename, model.name) + _model_args(opts, model)
+        labels = _labels(opts, plan, model.path, model.name, model.kind)
+        mounts = [BindMount(source=f.path, target=f"{MODELS_DIR}/{f.filename}", read_only=True)
+                  for f in model.files or [models.ModelFile(path=model.path, filename=model.filename)]]
     spec = ContainerSpec(
         image=image_ref,
         name=name,
-        command=_llama_command(opts, model.filename, model.name) + _model_args(opts, model),
+        command=command,
         entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"],
-        labels=_labels(opts, plan, model.path, model.name, model.kind),
-        mounts=[BindMount(source=f.path, target=f"{MODELS_DIR}/{f.filename}", read_only=True)
-                for f in model.files or [models.ModelFile(path=model.path, filename=model.filename)]],
+        labels=labels,
+        mounts=mounts,
         ports={CONTAINER_PORT: (publish_ip(opts.host_ip), opts.port)},
         restart_policy=check_restart(opts.restart) if opts.restart else None,
         healthcheck=_healthcheck(opts, image_ref),
@@ -394,13 +478,14 @@ def generate(opts: ServeOptions, fmt: str) -> str:
     if plan.needs_apir_host:
         raise ApirctlError("--generate cannot give the unit an apir-host: apirctl starts one per container it serves",
                            hint="serve it with `apirctl serve --transport virtgpu` instead")
-    model = resolve_model(opts.model)
+    model: Served = resolve_models(opts) if opts.router else resolve_model(opts.model)
     api = containers.connect()
-    name = opts.name or f"apirctl-{_slug(model.name)}"
+    name = opts.name or f"apirctl-{_slug(_display_name(model))}"
     spec = _spec(opts, plan, model, name, _image_for(opts, plan, None, api))
     if fmt == "kube":
         return kube_yaml(spec, opts.restart)
-    return quadlet_unit(spec, opts.restart, description=f"apirctl llama-server: {model.name}")
+    shown = model.label if isinstance(model, ModelSet) else model.name
+    return quadlet_unit(spec, opts.restart, description=f"apirctl llama-server: {shown}")
 
 
 @contextlib.contextmanager
@@ -420,7 +505,7 @@ def _uninterrupted() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
-def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str,
+def _start_container(opts: ServeOptions, plan: Plan, model: Served, name: str,
                      phase: ProgressFn, progress: ProgressFn | None, api: PodmanApi,
                      instance: Instance | None = None, apir: Host | None = None) -> Server:
     """Image, container, start, wait for /health; a failed container is removed (unless --keep)."""
@@ -441,7 +526,10 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
         phase("loading model")
         base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
         attrs = _wait_ready(api, container_id, base, opts.timeout)
-        _check_ours(base, f"{MODELS_DIR}/{model.filename}", opts.port)
+        if isinstance(model, ModelSet):
+            _check_router(base, model.names, opts.port)
+        else:
+            _check_ours(base, f"{MODELS_DIR}/{model.filename}", opts.port)
         if instance is not None:
             backends.confirm_link(instance)
         if apir is not None:
@@ -461,12 +549,16 @@ def _start_container(opts: ServeOptions, plan: Plan, model: ModelFile, name: str
         if isinstance(exc, ApirctlError):
             raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
         raise
+    router = isinstance(model, ModelSet)
     return Server(
-        name=name, id=container_id, model=model.name, transport=plan.transport, url=server_url(opts.host_ip, opts.port),
+        name=name, id=container_id, model=model.label if isinstance(model, ModelSet) else model.name,
+        transport=plan.transport, url=server_url(opts.host_ip, opts.port),
         state="running", health="ok", port=opts.port, created=created_at(attrs), image=image_ref,
-        rpc_backends=list(opts.rpc_backends), tunnels=list(plan.tunnels), kind=model.kind, rpc_target=_target(plan),
+        rpc_backends=list(opts.rpc_backends), tunnels=list(plan.tunnels),
+        kind="chat" if isinstance(model, ModelSet) else model.kind, rpc_target=_target(plan),
         rpc_link=instance.link if instance is not None else plan.rpc_link, rpc_instance=plan.rpc_instance,
-        apir_host=plan.apir_host,
+        apir_host=plan.apir_host, router=router, models_dir=str(opts.models_dir or ""),
+        models=router_models(base) if router else {},
     )
 
 
@@ -530,6 +622,15 @@ def _check_ours(base: str, model_path: str, port: int) -> None:
     found = data.get("model_path") if isinstance(data, dict) else None
     if isinstance(found, str) and found and found != model_path:
         raise ServeFailed(f"port {port} answers, but from another server (its model is {found}, ours {model_path})",
+                          hint="another process took the port as this server started: stop it, or use another --port")
+
+
+def _check_router(base: str, names: list[str], port: int) -> None:
+    """The router on the published port must be ours: it lists the models serve gave it. One that does
+    not answer /models as a router does (another image, a key it needs) is taken on trust."""
+    found = router_models(base)
+    if found and names and not set(names) <= set(found):
+        raise ServeFailed(f"port {port} answers, but from another server (its models: {', '.join(found)})",
                           hint="another process took the port as this server started: stop it, or use another --port")
 
 
