@@ -39,6 +39,11 @@ results.json is rewritten after every step, so a cut-off run still reports):
    llama_patches/ 0011) and the host buffers that the server maps (the logits straight from the device into
    the client's memory, a prompt's inputs from it to the device); both orders; both ends profiled for
    tg128 and pp512.
+10. `passthrough` (issue 24, in benchmarks/gpu_passthrough.py): apirctl's own image (`FROM scratch`,
+   built from this CUDA build as `apirctl setup` builds it) run by a private Podman (Debian 12's .deb
+   files, `--podman-debs`, unpacked under --work), the GPU handed over by a CDI spec that apirctl's
+   generator (`apirctl gpu cdi`) writes; llama-bench in the container against native, alternated, and
+   one llama-server in the container answering a completion over loopback.
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -64,6 +69,10 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_passthrough import Passthrough as PassthroughPart
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -148,6 +157,7 @@ class Runner:
         self.models: dict[str, Path] = {}
         self.slirp: str | None = None
         self.slirp_env: dict[str, str] = {}
+        self.passthrough: PassthroughPart | None = None
 
     # -- plumbing -----------------------------------------------------------------------
     def left(self) -> float:
@@ -215,8 +225,17 @@ class Runner:
             subprocess.run(cmd, cwd=src, check=True)
         self.results["env"]["patches"] = (folder / "series").read_text().split()
 
+    def executables(self) -> list[str]:
+        """The programs the parts asked for need (`passthrough`: those apirctl's image carries)."""
+        names = ["llama-bench", "ggml-rpc-server", "apir-host"]
+        if "passthrough" in self.args.parts:
+            from gpu_passthrough import image_executables
+
+            names += [name for name in image_executables() if name not in names]
+        return names
+
     def start_build(self, src: Path) -> subprocess.Popen[bytes] | None:
-        if all((self.bin / name).exists() for name in ("llama-bench", "ggml-rpc-server", "apir-host")):
+        if all((self.bin / name).exists() for name in self.executables()):
             return None
         configure = [
             "cmake", "-S", str(src), "-B", str(self.build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
@@ -227,6 +246,7 @@ class Runner:
         ]
         targets = ["llama-bench", "ggml-rpc-server", "llama-quantize", "ggml-virtgpu-backend", "apir-host",
                    "ggml-virtgpu"]
+        targets += [name for name in self.executables() if name not in targets]
         script = (" ".join(configure) + f" && cmake --build {self.build} -j{os.cpu_count()} --target "
                   + " ".join(targets))
         fh = (self.logs / "build.log").open("a")
@@ -401,9 +421,12 @@ class Runner:
 
     def bench(self, key: str, shape: str, extra: list[str], env: dict[str, str] | None = None,
               prefix: list[str] | None = None, reps: int | None = None, tests: tuple[str, str] = ("512", "128"),
-              log: str = "bench.log") -> None:
-        cmd = (prefix or []) + [str(self.bin / "llama-bench"), "-m", str(self.models[shape]), "-ngl", "99",
-                                "-p", tests[0], "-n", tests[1], "-r", str(reps or self.args.reps), "-o", "json"]
+              log: str = "bench.log", exe: str | None = None, model: str | None = None) -> None:
+        """One llama-bench run into results["bench"][shape][key]; `exe` and `model` name them where `prefix`
+        runs them elsewhere (in a container: its own paths)."""
+        cmd = (prefix or []) + [exe or str(self.bin / "llama-bench"), "-m", model or str(self.models[shape]),
+                                "-ngl", "99", "-p", tests[0], "-n", tests[1], "-r", str(reps or self.args.reps),
+                                "-o", "json"]
         cmd += extra if "-t" in extra else extra + self.cpu_threads()
         t0 = time.monotonic()
         proc = self.run(cmd, log, env=env, timeout=240)
@@ -929,6 +952,11 @@ class Runner:
         shutil.rmtree(self.logs, ignore_errors=True)
         self.logs.mkdir(parents=True)
         self.step("env", self.environment, need=0)
+        if "passthrough" in self.args.parts:  # Podman and the CDI spec first: they need no build
+            from gpu_passthrough import Passthrough
+
+            self.passthrough = Passthrough(self)
+            self.passthrough.prepare()
         self.step("build+models", self.build_and_models, need=60)
         if not all(q.exists() for q in self.models.values()):
             self.log("no models: stopping")
@@ -966,10 +994,15 @@ class Runner:
             table = self.apir_table()
             (self.out / "apir-table.txt").write_text(table + "\n")
             print(table, flush=True)
+        if self.passthrough is not None:
+            self.passthrough.measure()
         self.log("done")
 
     def cleanup(self) -> None:
         """Pack the logs; remove the namespace and veth pair this run made (a rerun makes them again)."""
+        if self.passthrough is not None:
+            with contextlib.suppress(Exception):
+                self.passthrough.cleanup()
         with contextlib.suppress(Exception), tarfile.open(self.out / "logs.tgz", "w:gz") as tar:
             tar.add(self.logs, arcname="logs")
         with contextlib.suppress(Exception):
@@ -992,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
                     help="which measurements to run, after the build: hotpath, shared, rings, transport, apir, core, "
-                         "veth, trace, selftest, knobs, wire, knobs2, load")
+                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough")
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0",
@@ -1003,6 +1036,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, help="an existing GGUF to use as the only shape (skips model writing)")
     ap.add_argument("--server-threads", type=int, help="ggml-rpc-server -t (CPU device threads)")
     ap.add_argument("--deadline", type=float, default=560.0, help="seconds; later steps are skipped")
+    ap.add_argument("--podman-debs", type=Path,
+                    help="passthrough: a folder of Podman's .deb files (Debian 12), unpacked under --work; "
+                         "without it, the podman on PATH (with the part's own storage and settings)")
+    ap.add_argument("--podman-lock", type=Path,
+                    help="passthrough: every podman command holds this lock (flock), for a shared machine")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(HERE))
     runner = Runner(args)
