@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apirctl.errors import ApirctlError, tail
+from apirctl.podman.containers import BindMount
 
 #: Called with (test, repetition, total repetitions) as llama-bench reports them.
 ProgressFn = Callable[[str, int, int], None]
@@ -206,3 +207,31 @@ def run_process(argv: Sequence[str], params: Params, on_progress: ProgressFn | N
     if code != 0:
         raise ApirctlError(f"llama-bench failed (exit {code}): {reader.tail_text() or 'no output'}")
     return parse("".join(chunks))
+
+
+@dataclass(frozen=True)
+class LlamaBench:
+    """llama-bench as the program of `apirctl.bench.modes`: JSON on the host, JSON lines in a container."""
+
+    params: Params
+    executable: str = "llama-bench"
+
+    @property
+    def ngl(self) -> int:
+        return self.params.ngl
+
+    def arguments(self, model: str, mode: str, in_container: bool, extra: Sequence[str] = ()) -> list[str]:
+        return arguments(model, self.params, extra=extra, output="jsonl" if in_container else "json")
+
+    def mounts(self) -> list[BindMount]:
+        return []
+
+    def reader(self, on_progress: ProgressFn | None) -> ProgressReader:
+        return ProgressReader(self.params, on_progress)
+
+    def run_host(self, argv: Sequence[str], on_progress: ProgressFn | None,
+                 env: dict[str, str] | None = None) -> list[Result]:
+        return run_process(argv, self.params, on_progress, env=env)
+
+    def parse_output(self, output: str) -> list[Result]:
+        return parse_mixed(output)

@@ -1,4 +1,8 @@
-"""llama-bench in each mode, one after the other on the same model file, and the comparison rows.
+"""A llama.cpp program in each mode, one after the other on the same model file, and bench's rows.
+
+The modes decide where the program runs and how it reaches the GPU; the program (a `Program`:
+llama-bench for `apirctl bench`, llama-perplexity for `apirctl perplexity`) decides its arguments
+and reads its output, so both commands share one definition of each mode.
 
 - native: the host build's llama-bench on the host's best backend (the reference).
 - remoting: llama-bench in the container, its GGML backend calls going to the host
@@ -30,12 +34,12 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 from apirctl import config, gpu, host, models
 from apirctl.bench import MODES, system
-from apirctl.bench.llamabench import Params, ProgressReader, Result, arguments, parse_mixed, run_process
-from apirctl.bench.results import Row, Run, new_id, now_iso
+from apirctl.bench.llamabench import LlamaBench, Params, ProgressFn, Result
+from apirctl.bench.results import Row, Run, SystemInfo, new_id, now_iso
 from apirctl.build import image, llamacpp
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
@@ -50,10 +54,50 @@ class Skipped(Exception):
     """A mode that cannot run on this host; the message says why (and how to enable it)."""
 
 
+class Backends(Protocol):
+    """A program's result that may name the backends it ran on (llama-bench's do)."""
+
+    @property
+    def backends(self) -> str: ...
+
+
+R = TypeVar("R", bound=Backends)
+
+
+class LineReader(Protocol):
+    """Reads a program's output lines as they come (progress) and keeps a tail for errors."""
+
+    def feed(self, line: str) -> None: ...
+
+    def tail_text(self, lines: int = 5) -> str: ...
+
+
+class Program(Protocol[R]):
+    """What the modes need of the program they run: its name (on the host build and on the image's
+    PATH), its arguments, how to run it on the host and how to read its output from a container."""
+
+    @property
+    def executable(self) -> str: ...
+
+    @property
+    def ngl(self) -> int: ...
+
+    def arguments(self, model: str, mode: str, in_container: bool, extra: Sequence[str] = ()) -> list[str]: ...
+
+    def mounts(self) -> list[containers.BindMount]: ...
+
+    def reader(self, on_progress: ProgressFn | None) -> LineReader: ...
+
+    def run_host(self, argv: Sequence[str], on_progress: ProgressFn | None,
+                 env: dict[str, str] | None = None) -> list[R]: ...
+
+    def parse_output(self, output: str) -> list[R]: ...
+
+
 @dataclass
-class ModeOutcome:
+class ModeOutcome(Generic[R]):
     mode: str
-    results: list[Result] = field(default_factory=list)
+    results: list[R] = field(default_factory=list)
     backend: str | None = None
     skipped: str | None = None
     failed: str | None = None
@@ -62,11 +106,11 @@ class ModeOutcome:
 
 
 @dataclass
-class Context:
-    """What the modes share: the model file, the parameters, and facts gathered on the way."""
+class Context(Generic[R]):
+    """What the modes share: the model file, the program, and facts gathered on the way."""
 
     model_path: Path
-    params: Params
+    program: Program[R]
     filename: str = ""
     on_event: EventFn | None = None
     client: str = "container"  # the remoting client: "container" or "host"
@@ -125,16 +169,17 @@ def _host_build() -> Any:
     return build
 
 
-def run_native(ctx: Context) -> ModeOutcome:
+def run_native(ctx: Context[R]) -> ModeOutcome[R]:
     build = _host_build()
     ctx.facts.setdefault("host_backend", build.backend)
     ctx.facts.setdefault("llama_cpp", build.source_version)
-    argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params)]
-    results = run_process(argv, ctx.params, ctx.progress("native"))
+    program = ctx.program
+    argv = [str(build.binary(program.executable)), *program.arguments(str(ctx.model_path), "native", False)]
+    results = program.run_host(argv, ctx.progress("native"))
     return ModeOutcome("native", results, backend=_backend_label(results, build.backend), client="host")
 
 
-def _image(ctx: Context) -> str:
+def _image(ctx: Context[Any]) -> str:
     """The inference image (built on first use), or Skipped saying what is missing."""
     try:
         build = llamacpp.container_build() or _host_build()
@@ -145,8 +190,8 @@ def _image(ctx: Context) -> str:
     return tag
 
 
-def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[Result]:
-    """llama-bench as a one-shot container with the model mounted read-only; no network unless a plan adds it."""
+def run_in_container(ctx: Context[R], mode: str, plan: Any | None = None) -> list[R]:
+    """The program as a one-shot container with the model mounted read-only; no network unless a plan adds it."""
     if plan is not None and plan.image:
         tag = plan.image
     elif plan is not None and plan.image_backend:
@@ -154,32 +199,34 @@ def run_in_container(ctx: Context, mode: str, plan: Any | None = None) -> list[R
     else:
         tag = _image(ctx)
     target = f"/models/{ctx.filename or ctx.model_path.name}"
+    program = ctx.program
     spec = containers.ContainerSpec(
         image=tag,
-        entrypoint=["llama-bench"],  # on the image's PATH: apirctl's image and the bundles' images alike
-        command=arguments(target, ctx.params, output="jsonl"),
-        mounts=[containers.BindMount(source=ctx.model_path.resolve(), target=target, read_only=True)],
+        entrypoint=[program.executable],  # on the image's PATH: apirctl's image and the bundles' images alike
+        command=program.arguments(target, mode, True),
+        mounts=[containers.BindMount(source=ctx.model_path.resolve(), target=target, read_only=True),
+                *program.mounts()],
         network_mode="none",
         labels={"apirctl.role": "bench", "apirctl.bench.mode": mode},
     )
     if plan is not None:
         spec = plan.apply(spec)
-    reader = ProgressReader(ctx.params, ctx.progress(mode))
+    reader = program.reader(ctx.progress(mode))
     result = containers.run_once(spec, on_line=reader.feed)
     if result.exit_code != 0:
-        raise ApirctlError(f"llama-bench in the container failed (exit {result.exit_code}): "
+        raise ApirctlError(f"{program.executable} in the container failed (exit {result.exit_code}): "
                            f"{reader.tail_text() or 'no output'}")
-    return parse_mixed(result.output)
+    return program.parse_output(result.output)
 
 
-def run_container(ctx: Context) -> ModeOutcome:
+def run_container(ctx: Context[R]) -> ModeOutcome[R]:
     plan = _passthrough_plan(ctx)
     results = run_in_container(ctx, "container", plan)
     fallback = (plan.image_backend or "gpu") if plan is not None else "cpu"
     return ModeOutcome("container", results, backend=_backend_label(results, fallback), client="container")
 
 
-def _passthrough_plan(ctx: Context) -> Any | None:
+def _passthrough_plan(ctx: Context[Any]) -> Any | None:
     """The gpu transport's wiring where this host can give a container its GPU, else None (CPU)."""
     if host.is_macos():
         return None
@@ -188,11 +235,11 @@ def _passthrough_plan(ctx: Context) -> Any | None:
         ctx.facts["container_note"] = f"CPU only: no GPU passthrough ({offer.reason})"
         return None
     ctx.facts["container_note"] = f"GPU passthrough: {offer.what}"
-    plan = transport.gpu_plan(offer, ctx.params.ngl)
+    plan = transport.gpu_plan(offer, ctx.program.ngl)
     return plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
 
 
-def _gpu_image(ctx: Context, backend: str) -> str:
+def _gpu_image(ctx: Context[Any], backend: str) -> str:
     """The passthrough image of a GPU backend (built on first use)."""
     build = gpu.gpu_builds().get(backend)
     if build is None:
@@ -202,7 +249,7 @@ def _gpu_image(ctx: Context, backend: str) -> str:
     return tag
 
 
-def run_remoting(ctx: Context) -> ModeOutcome:
+def run_remoting(ctx: Context[R]) -> ModeOutcome[R]:
     settings = config.settings()
     requested = settings.transport
     if requested == "none":
@@ -210,7 +257,8 @@ def run_remoting(ctx: Context) -> ModeOutcome:
     client = ctx.client
     if client == "container" and shutil.which("podman") is None:
         client = "host"
-        ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
+        ctx.facts["client_note"] = (f"podman is not installed: the host build's {ctx.program.executable} was the "
+                                    f"remoting client")
     door = None
     if client == "host":  # it dials the backend's 127.0.0.1 itself: no container network door is needed
 
@@ -219,7 +267,7 @@ def run_remoting(ctx: Context) -> ModeOutcome:
     if requested in ("auto", "gpu"):  # this platform's remoting, even where `auto` would not serve with it
         requested = "virtgpu" if host.is_macos() else "rpc"
     try:
-        plan = transport.plan(requested, ngl=ctx.params.ngl, rpc_port=settings.rpc_port, loopback=door,
+        plan = transport.plan(requested, ngl=ctx.program.ngl, rpc_port=settings.rpc_port, loopback=door,
                               offer=no_passthrough)
     except ApirctlError as exc:
         raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
@@ -275,14 +323,16 @@ def client_endpoint(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def run_host_client(ctx: Context, endpoint: str) -> list[Result]:
-    """The host build's llama-bench as the rpc client (one -ngl: ours; one --rpc: the backend's
+def run_host_client(ctx: Context[R], endpoint: str) -> list[R]:
+    """The host build's program as the rpc client (one -ngl: ours; one --rpc: the backend's
     `HOST:PORT` or `unix:PATH`)."""
     build = _host_build()
     ctx.facts.setdefault("llama_cpp", build.source_version)
+    program = ctx.program
     extra = ["--rpc", endpoint]
-    argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params, extra=extra)]
-    return run_process(argv, ctx.params, ctx.progress("remoting"), env=dict(os.environ) | _NO_LOCAL_GPU)
+    argv = [str(build.binary(program.executable)),
+            *program.arguments(str(ctx.model_path), "remoting", False, extra=extra)]
+    return program.run_host(argv, ctx.progress("remoting"), env=dict(os.environ) | _NO_LOCAL_GPU)
 
 
 def without_flag(args: Sequence[str], names: tuple[str, ...]) -> list[str]:
@@ -302,7 +352,7 @@ def without_flag(args: Sequence[str], names: tuple[str, ...]) -> list[str]:
     return out
 
 
-def run_apir(ctx: Context) -> ModeOutcome:
+def run_apir(ctx: Context[R]) -> ModeOutcome[R]:
     """APIR on Linux: the frontend against an apir-host of the run's own (see the module's docstring)."""
     if host.is_macos():
         raise Skipped("on macOS the remoting mode is APIR (virtgpu through krunkit)")
@@ -310,7 +360,8 @@ def run_apir(ctx: Context) -> ModeOutcome:
     client = ctx.client
     if client == "container" and shutil.which("podman") is None:
         client = "host"
-        ctx.facts["client_note"] = "podman is not installed: the host build's llama-bench was the remoting client"
+        ctx.facts["client_note"] = (f"podman is not installed: the host build's {ctx.program.executable} was the "
+                                    f"remoting client")
     client_build = build if client == "host" else llamacpp.container_build()
     problem = transport.apir_problem(build, client_build)
     if problem:
@@ -320,10 +371,11 @@ def run_apir(ctx: Context) -> ModeOutcome:
     try:
         if client == "host":
             env = dict(os.environ) | _NO_LOCAL_GPU | {apir_hosts.SOCKET_ENV: str(apir.socket)}
-            argv = [str(build.binary("llama-bench")), *arguments(str(ctx.model_path), ctx.params)]
-            results = run_process(argv, ctx.params, ctx.progress("apir"), env=env)
+            program = ctx.program
+            argv = [str(build.binary(program.executable)), *program.arguments(str(ctx.model_path), "apir", False)]
+            results = program.run_host(argv, ctx.progress("apir"), env=env)
         else:
-            plan = transport.with_apir_host(transport.apir_plan(ctx.params.ngl), apir)
+            plan = transport.with_apir_host(transport.apir_plan(ctx.program.ngl), apir)
             plan = plan.model_copy(update={"llama_args": without_flag(plan.llama_args, ("-ngl", "--n-gpu-layers"))})
             results = run_in_container(ctx, "apir", plan)
         died = apir_hosts.problem(apir.id)
@@ -335,7 +387,7 @@ def run_apir(ctx: Context) -> ModeOutcome:
                        transport="virtgpu-socket")
 
 
-RUNNERS: dict[str, Callable[[Context], ModeOutcome]] = {
+RUNNERS: dict[str, Callable[[Context[Any]], ModeOutcome[Any]]] = {
     "native": run_native,
     "remoting": run_remoting,
     "container": run_container,
@@ -348,7 +400,7 @@ RUNNERS: dict[str, Callable[[Context], ModeOutcome]] = {
 _IDLE_FRONTEND = "ggml-virtgpu"
 
 
-def _backend_label(results: list[Result], fallback: str, apir: bool = False) -> str:
+def _backend_label(results: Sequence[Backends], fallback: str, apir: bool = False) -> str:
     seen = [r.backends for r in results if r.backends]
     if not seen:
         return fallback
@@ -359,7 +411,7 @@ def _backend_label(results: list[Result], fallback: str, apir: bool = False) -> 
 # --- the comparison -------------------------------------------------------------------------------
 
 
-def rows_from(outcomes: list[ModeOutcome], params: Params) -> list[Row]:
+def rows_from(outcomes: list[ModeOutcome[Result]], params: Params) -> list[Row]:
     """Rows in mode order; each test's ratio is to the native row of the same test."""
     native = next((o for o in outcomes if o.mode == "native" and o.results), None)
     native_tps = {r.test: r.tps_mean for r in native.results} if native else {}
@@ -393,33 +445,31 @@ class Outcome:
 CLIENTS = ("container", "host")
 
 
-def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
-        on_event: EventFn | None = None, filename: str | None = None, client: str = "container") -> Outcome:
-    """Run the modes in order; a skipped mode does not stop the others, nor does a failed one.
-
-    `client` picks where the remoting mode's llama-bench runs: "container" (the real path; the
-    host when no container engine is installed) or "host" (the rpc path without a container).
-    """
-    params.validate()
+def check_inputs(model_path: Path, client: str) -> None:
+    """What every run needs before any mode starts: a known remoting client and the model file."""
     if client not in CLIENTS:
         raise ApirctlError(f"unknown remoting client {client!r} (known: {', '.join(CLIENTS)})")
     if not model_path.is_file():
         raise ApirctlError(f"model file {model_path} does not exist")
-    ctx = Context(model_path=model_path, params=params, on_event=on_event, filename=filename or model_path.name,
-                  client=client)
-    outcomes: list[ModeOutcome] = []
+
+
+def run_modes(ctx: Context[R], modes: Sequence[str]) -> list[ModeOutcome[R]]:
+    """Run the program in each mode, in order; a skipped mode does not stop the others, nor does a failed one."""
+    outcomes: list[ModeOutcome[R]] = []
     for mode in modes:
-        if on_event:
-            on_event(mode, "", 0, params.reps)
+        if ctx.on_event:
+            ctx.on_event(mode, "", 0, 0)
         try:
             outcomes.append(RUNNERS[mode](ctx))
         except Skipped as exc:
             outcomes.append(ModeOutcome(mode, skipped=str(exc)))
         except ApirctlError as exc:
             outcomes.append(ModeOutcome(mode, failed=exc.message))
-    failures = [f"{o.mode}: {o.failed}" for o in outcomes if o.failed]
-    raw = next((o.results[0].raw for o in outcomes if o.mode == "native" and o.results), None)
-    raw = raw or next((o.results[0].raw for o in outcomes if o.results), None)
+    return outcomes
+
+
+def system_info(ctx: Context[Any], raw: dict[str, Any] | None = None) -> SystemInfo:
+    """Where the numbers came from, with the notes the modes left on the way."""
     info = system.collect(raw, host_backend=ctx.facts.get("host_backend"), transport=ctx.facts.get("transport"),
                           image=ctx.facts.get("image"), llama_cpp=ctx.facts.get("llama_cpp"))
     if ctx.facts.get("client_note"):
@@ -428,10 +478,28 @@ def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
         info.extra["container"] = ctx.facts["container_note"]
     if ctx.facts.get("remoting_note"):
         info.extra["remoting"] = ctx.facts["remoting_note"]
+    return info
+
+
+def run(model_ref: str, model_path: Path, modes: Sequence[str], params: Params,
+        on_event: EventFn | None = None, filename: str | None = None, client: str = "container") -> Outcome:
+    """llama-bench in each mode (see `run_modes`).
+
+    `client` picks where the remoting mode's llama-bench runs: "container" (the real path; the
+    host when no container engine is installed) or "host" (the rpc path without a container).
+    """
+    params.validate()
+    check_inputs(model_path, client)
+    ctx: Context[Result] = Context(model_path=model_path, program=LlamaBench(params), on_event=on_event,
+                                   filename=filename or model_path.name, client=client)
+    outcomes = run_modes(ctx, modes)
+    failures = [f"{o.mode}: {o.failed}" for o in outcomes if o.failed]
+    raw = next((o.results[0].raw for o in outcomes if o.mode == "native" and o.results), None)
+    raw = raw or next((o.results[0].raw for o in outcomes if o.results), None)
     bench_run = Run(
         id=new_id(), created=now_iso(), kind="llama-bench", model=model_ref, model_file=str(model_path),
         params={"pp": params.pp, "tg": params.tg, "reps": params.reps, "ngl": params.ngl,
                 "threads": params.threads, "modes": list(modes), "client": client},
-        system=info, rows=rows_from(outcomes, params),
+        system=system_info(ctx, raw), rows=rows_from(outcomes, params),
     )
     return Outcome(bench_run, failures)

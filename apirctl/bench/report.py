@@ -1,8 +1,8 @@
 """Rendering benchmark results: rich tables, compact bars, CSV, Markdown, JSON and a PNG chart.
 
 The JSON shape is the contract scripts read (`{"system": ..., "rows": [...]}` for
-llama-bench runs, `{"system": ..., "levels": [...]}` for serving runs); the other
-formats are for people.
+llama-bench and perplexity runs, `{"system": ..., "levels": [...]}` for serving runs); the
+other formats are for people.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 FORMATS = ("table", "json", "csv", "md")
 ROW_FIELDS = ("mode", "backend", "client", "transport", "test", "tps_mean", "tps_std", "ratio_to_native",
               "skipped_reason")
+PPL_FIELDS = ("mode", "backend", "client", "transport", "ctx_size", "chunks", "ppl", "ppl_error", "nll",
+              "ppl_rel_diff", "matches_native", "skipped_reason")
 LEVEL_FIELDS = ("concurrency", "requests", "completed", "errors", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms",
                 "itl_p95_ms", "output_tps_per_request", "output_tps_total", "request_throughput", "error_sample")
 _BAR = "█"
@@ -54,6 +56,8 @@ def _fmt(value: float | None, digits: int = 2) -> str:
 def _cells(run: Run) -> tuple[tuple[str, ...], list[list[str]]]:
     if run.kind == "serving":
         return LEVEL_FIELDS, [[_cell(getattr(lv, f)) for f in LEVEL_FIELDS] for lv in run.levels]
+    if run.kind == "perplexity":
+        return PPL_FIELDS, [[_ppl_cell(f, getattr(r, f)) for f in PPL_FIELDS] for r in run.rows]
     return ROW_FIELDS, [[_cell(getattr(r, f)) for f in ROW_FIELDS] for r in run.rows]
 
 
@@ -63,6 +67,17 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.2f}"
     return str(value)
+
+
+def _ppl_cell(name: str, value: Any) -> str:
+    """Perplexity columns keep the digits a 1e-4 comparison needs."""
+    if value is None:
+        return ""
+    if name in ("ppl", "nll"):
+        return f"{value:.6f}"
+    if name == "ppl_rel_diff":
+        return f"{value:.2e}"
+    return _cell(value)
 
 
 def as_csv(run: Run) -> str:
@@ -119,6 +134,8 @@ def table(run: Run) -> RenderableType:
 
     if run.kind == "serving":
         return serving_table(run.levels, title=f"serving load: {run.model}")
+    if run.kind == "perplexity":
+        return perplexity_table(run)
     t = Table(title=f"llama-bench: {run.model}", title_justify="left")
     for name, justify in (("mode", "left"), ("backend", "left"), ("client", "left"), ("transport", "left"),
                           ("test", "left"),
@@ -135,6 +152,33 @@ def table(run: Run) -> RenderableType:
                   _fmt(r.tps_std), ratio)
     bar_text = Text("\n".join(bars(run.rows)))
     return Columns([t, bar_text], padding=(1, 4))
+
+
+def perplexity_table(run: Run) -> RenderableType:
+    """Perplexity per mode, its difference from native's, and a flag where it is over the tolerance."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    tolerance = run.params.get("tolerance")
+    title = f"perplexity: {run.model}" + (f" (tolerance {tolerance:g})" if tolerance else "")
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    for name, justify in (("mode", "left"), ("backend", "left"), ("via", "left"), ("ctx", "right"),
+                          ("chunks", "right"), ("PPL", "right"), ("vs native", "right"), ("", "left")):
+        t.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for r in run.rows:
+        via = r.transport or r.client or ""
+        ctx, chunks = _cell(r.ctx_size), _cell(r.chunks)
+        if r.ppl is None:
+            failed = (r.skipped_reason or "").startswith("failed")
+            t.add_row(r.mode, r.backend or "", via, ctx, chunks,
+                      Text("failed", style="red") if failed else Text("skipped", style="yellow"), "", "")
+            continue
+        diff = "" if r.ppl_rel_diff is None else f"{r.ppl_rel_diff:+.1e}"
+        flag = (Text("differs", style="bold red") if r.matches_native is False
+                else Text("same", style="green") if r.matches_native else Text(""))
+        t.add_row(r.mode, r.backend or "", via, ctx, chunks, f"{r.ppl:.4f}", diff, flag)
+    return t
 
 
 def skipped_notes(run: Run) -> list[str]:

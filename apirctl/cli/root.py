@@ -26,6 +26,7 @@ from apirctl.cli import (
     install,
     machine,
     models,
+    perplexity,
     resident,
     serve,
     setup,
@@ -71,6 +72,7 @@ app.add_typer(machine.app, name="machine")
 serve.register(app)
 chat.register(app)
 app.add_typer(bench.app, name="bench")
+perplexity.register(app)
 app.add_typer(models.app, name="models")
 models.register(app)
 install.register(app)

@@ -31,7 +31,7 @@ def test_rootfs_holds_binaries_and_exactly_their_libraries(container_build: llam
     rootfs = tmp_path / "rootfs"
     placed = image.stage_rootfs(container_build, rootfs)
     names = {p.name for p in (rootfs / "app" / "bin").iterdir()}
-    assert {"llama-server", "llama-bench", "libggml-cpu.so", "libggml-rpc.so"} <= names
+    assert {"llama-server", "llama-bench", "llama-perplexity", "libggml-cpu.so", "libggml-rpc.so"} <= names
     assert not any(n.startswith(image.EXCLUDED_LIBRARIES) for n in names)
     if container_build.options is not None and container_build.options.virtgpu_frontend:
         assert "libggml-virtgpu.so" in names and "apir-host" not in names  # API remoting's frontend, not its host
