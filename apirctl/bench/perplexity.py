@@ -42,7 +42,8 @@ CONTAINER_TEXT = "/data/perplexity.txt"
 TEST = "perplexity"
 
 # --ppl-output-type 1 prints, per chunk: position, perplexity so far, mean NLL so far, its standard error.
-_CHUNK = re.compile(r"^\s*\d+\s+(\d+\.\d+)\s+(-?\d+\.\d+)\s+\S+\s*$")
+# On its own line on stdout; a container's log may glue it to the end of a partial stderr line (the ETA).
+_CHUNK = re.compile(r"(?:^|\s)\d+\s+(\d+\.\d+)\s+(-?\d+\.\d+)\s+\S+\s*$")
 _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
 _FINAL = re.compile(r"Final estimate: PPL = (\S+) \+/- (\S+)")
 _TOO_SHORT = re.compile(r"you need at least (\d+) tokens to evaluate perplexity with a context of (\d+)")
@@ -110,7 +111,7 @@ class Estimate:
 
 def parse(output: str) -> Estimate:
     """llama-perplexity's output (its stdout and stderr, in any order of lines) -> the final estimate."""
-    chunks = [m for line in output.splitlines() if (m := _CHUNK.match(line))]
+    chunks = [m for line in output.splitlines() if (m := _CHUNK.search(line))]
     short = _TOO_SHORT.search(output)
     if short:
         has = _HAS_ONLY.search(output)
@@ -123,7 +124,8 @@ def parse(output: str) -> Estimate:
     sized = _CHUNKS.search(output)
     last = chunks[-1]
     return Estimate(nll=float(last.group(2)), ppl_printed=float(last.group(1)),
-                    uncertainty=float(final.group(2)) if final else None, chunks=len(chunks),
+                    uncertainty=float(final.group(2)) if final else None,
+                    chunks=int(sized.group(1)) if sized else len(chunks),
                     ctx_size=int(sized.group(2)) if sized else None)
 
 
@@ -141,7 +143,7 @@ class ChunkReader:
         sized = _CHUNKS.search(line)
         if sized:
             self.total = int(sized.group(1))
-        elif _CHUNK.match(line):
+        elif _CHUNK.search(line):
             self.done += 1
             if self.on_progress:
                 self.on_progress("chunk", self.done, max(self.total, self.done))

@@ -25,7 +25,7 @@ HELP = (
 
 def perplexity(
     model: str = typer.Argument(None, help="Model: alias (smollm2), GGUF path, hf://, ollama://, https://."),
-    file: str = typer.Option(None, "--file", "-f", help="Text to score [default: the text shipped with apirctl]."),
+    file: str = typer.Option(None, "--file", help="Text to score [default: the text shipped with apirctl]."),
     modes: str = typer.Option("native,container,remoting", "--modes",
                               help="Comma-separated modes, in order: native (the reference), container, remoting, "
                                    "apir."),

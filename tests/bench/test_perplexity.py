@@ -51,6 +51,14 @@ def test_parse_reads_the_last_chunk_mean_nll_and_the_final_estimate() -> None:
     assert est.ppl == pytest.approx(math.exp(3.317906)) and abs(est.ppl - 27.6025) < 5e-5
 
 
+def test_parse_finds_a_chunk_line_glued_to_a_partial_log_line() -> None:
+    """A container's log may end stderr's `ETA ` (no newline) with stdout's next line."""
+    glued = OUTPUT.replace("0.22 minutes\n       0  19.3266", "0.22 minutes\n")
+    glued = glued.replace("       0  27.6025", "perplexity: 1.89 seconds per pass - ETA        0  27.6025")
+    est = ppl.parse(glued)
+    assert est.nll == 3.317906 and est.chunks == 3
+
+
 def test_parse_explains_a_text_too_short_and_an_output_without_numbers() -> None:
     short = ("perplexity: you need at least 256 tokens to evaluate perplexity with a context of 128\n"
              "perplexity: the data file you provided tokenizes to only 40 tokens\n")
