@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from apirctl.apir import messages, protocol, table
+from apirctl.apir import extensions, messages, protocol, table
 from apirctl.apir.wire import ApirDecodeError, Decoder
 
 MAGIC = b"APIRTRC1"
@@ -79,7 +79,7 @@ class Record:
         if fn is not None:
             return fn.qualname
         if self.cmd_type == protocol.CommandType.FORWARD:
-            return f"unknown function {self.cmd_flags}"
+            return extensions.NAMES.get(self.cmd_flags, f"unknown function {self.cmd_flags}")
         return self.kind.lower()
 
     @property
@@ -118,7 +118,40 @@ class Record:
             out["request"] = {k: messages.plain(v) for k, v in messages.decode_request(fn, rest).items()}
             if fn.reply and self.ok:
                 out["reply"] = {k: messages.plain(v) for k, v in messages.decode_reply(fn, self.reply).items()}
+        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GRAPH_RUN:
+            run = extensions.GraphRun.decode(rest)
+            out["request"] = {"graph_id": run.graph_id, "res_id": run.res_id, "graph_size": run.graph_size,
+                              "writes_offset": run.writes_offset, "n_writes": run.n_writes,
+                              "out_res_id": run.out_res_id,
+                              "outputs": [{"node": o.node, "offset": o.offset} for o in run.outputs]}
+            if self.ok:
+                result, status = extensions.decode_graph_run_reply(self.reply)
+                out["reply"] = {"result": result, "status": status}
+        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GET_FEATURES and self.ok:
+            out["reply"] = {"features": extensions.decode_features(self.reply)}
         return out
+
+    def graph_run(self) -> tuple[extensions.GraphRun, int] | None:
+        """An answered EXT_GRAPH_RUN's request and result, else None (also when it does not decode)."""
+        if not (self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GRAPH_RUN and self.ok
+                and len(self.request) >= protocol.COMMAND_HEADER_SIZE):
+            return None
+        try:
+            run = extensions.GraphRun.decode(messages.decode_command(self.request)[3])
+            return run, extensions.decode_graph_run_reply(self.reply)[0]
+        except (ApirDecodeError, ValueError):
+            return None
+
+    def graph_bytes_sent(self) -> int:
+        """Bytes of graph serialization this command made the host read (0 for every other command)."""
+        if self.function is not None and self.function.qualname == "backend_graph_compute" and self.ok:
+            try:
+                return int(messages.decode_request(self.function, messages.decode_command(self.request)[3])
+                           .get("graph_size", 0))
+            except (ApirDecodeError, ValueError):
+                return 0
+        found = self.graph_run()
+        return found[0].graph_size if found else 0
 
     def problem(self) -> str | None:
         """Why the arguments do not decode, or None."""
@@ -276,14 +309,34 @@ class FunctionStats:
 
 
 @dataclass
+class GraphCache:
+    """How the graphs of EXT_GRAPH_RUN travelled: named by id (`by_id`, the host's kept graph), sent
+    (`sent`, first use or changed), or named but no longer kept (`unknown`, sent again after)."""
+
+    by_id: int = 0
+    sent: int = 0
+    unknown: int = 0
+    writes: int = 0
+    outputs: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"by_id": self.by_id, "sent": self.sent, "unknown": self.unknown, "writes": self.writes,
+                "outputs": self.outputs}
+
+
+@dataclass
 class Summary:
     """Calls per function and where the time went.
 
     `calls_per_compute` is the number of synchronous round trips per graph compute: in generation,
-    one compute is one token, so this is the calls-per-token figure the frontend pays for.
+    one compute is one token, so this is the calls-per-token figure the frontend pays for. A compute
+    is a `backend_graph_compute` or an `ext_graph_run` that computed a graph.
     """
 
     functions: dict[str, FunctionStats] = field(default_factory=dict)
+    graph_cache: GraphCache = field(default_factory=GraphCache)
+    ext_computes: int = 0
+    graph_bytes: int = 0  # graph serializations the host read, summed
     records: int = 0
     failed: int = 0
     host_ns: int = 0  # time inside the host's dispatch, summed
@@ -299,6 +352,22 @@ class Summary:
         self.first_ns = record.start_ns if self.first_ns is None else min(self.first_ns, record.start_ns)
         end = record.start_ns + record.duration_ns
         self.last_end_ns = end if self.last_end_ns is None else max(self.last_end_ns, end)
+        self.graph_bytes += record.graph_bytes_sent()
+        found = record.graph_run()
+        if found is not None:
+            run, result = found
+            cache = self.graph_cache
+            if result == extensions.RESULT_UNKNOWN_GRAPH:
+                cache.unknown += 1
+                return
+            cache.writes += run.n_writes
+            cache.outputs += len(run.outputs)
+            if run.graph_id:
+                self.ext_computes += 1
+                if run.graph_size:
+                    cache.sent += 1
+                else:
+                    cache.by_id += 1
 
     @property
     def span_ns(self) -> int:
@@ -310,7 +379,11 @@ class Summary:
     @property
     def computes(self) -> int:
         found = self.functions.get("backend_graph_compute")
-        return found.calls if found else 0
+        return (found.calls if found else 0) + self.ext_computes
+
+    @property
+    def graph_bytes_per_compute(self) -> float | None:
+        return self.graph_bytes / self.computes if self.computes else None
 
     @property
     def calls_per_compute(self) -> float | None:
@@ -324,6 +397,7 @@ class Summary:
     def as_dict(self) -> dict[str, Any]:
         return {"records": self.records, "failed": self.failed, "host_ns": self.host_ns, "span_ns": self.span_ns,
                 "graph_computes": self.computes, "calls_per_compute": self.calls_per_compute,
+                "graph_bytes_per_compute": self.graph_bytes_per_compute, "graph_cache": self.graph_cache.as_dict(),
                 "functions": [s.as_dict() for s in self.rows()]}
 
 

@@ -294,3 +294,9 @@ def _print_summary(summary: Any) -> None:
     if summary.calls_per_compute is not None:
         print(f"{summary.computes} graph computes, {summary.calls_per_compute:.1f} forwarded calls per compute "
               "(per generated token in generation)")
+    if summary.graph_bytes_per_compute is not None:
+        print(f"graph bytes the host read: {summary.graph_bytes_per_compute / 1e3:.1f} KB per compute")
+    cache = summary.graph_cache
+    if cache.by_id or cache.sent or cache.unknown:
+        print(f"graph cache: {cache.by_id} computes named a kept graph, {cache.sent} sent one, {cache.unknown} named "
+              f"one the host no longer kept; {cache.writes} writes and {cache.outputs} outputs rode along")

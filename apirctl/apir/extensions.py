@@ -1,0 +1,120 @@
+"""apirctl's commands beyond upstream's dispatch table (llama_patches, `apir_backend_ext.h`).
+
+They are numbered from 256, outside the generated table, so that `table` and the headers it
+generates stay upstream's. An upstream library answers them with FORWARD_INDEX_INVALID, and the
+frontend then keeps to the upstream calls.
+
+EXT_GRAPH_RUN is a generated token's whole exchange in one call: the writes of its inputs, the
+graph (sent once, then named by the client's id), and its outputs copied into shared memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from apirctl.apir.tensor import RPC_TENSOR_SIZE, RpcTensor, decode_rpc_tensor, encode_rpc_tensor
+from apirctl.apir.wire import Decoder, Encoder
+
+GET_FEATURES = 256
+GRAPH_RUN = 257
+NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run"}
+
+FEATURE_GRAPH_RUN = 1 << 0
+
+RESULT_DONE = 0
+RESULT_UNKNOWN_GRAPH = 1
+
+MAX_WRITES = 256
+MAX_OUTPUTS = 16
+
+
+#: struct apir_graph_run_write: u64 buffer, apir_rpc_tensor, u64 offset, u64 size, u64 data_offset
+WRITE_SIZE = 8 + RPC_TENSOR_SIZE + 24
+
+
+@dataclass(frozen=True)
+class Write:
+    """`size` bytes into a tensor at `offset`, taken from `data_offset` of the request's resource."""
+
+    buffer: int
+    tensor: RpcTensor
+    offset: int
+    size: int
+    data_offset: int
+
+
+def encode_writes(writes: tuple[Write, ...] | list[Write]) -> bytes:
+    """The writes' records as the host reads them from shared memory."""
+    enc = Encoder()
+    for w in writes:
+        enc.u64(w.buffer)
+        encode_rpc_tensor(enc, w.tensor)
+        enc.u64(w.offset)
+        enc.u64(w.size)
+        enc.u64(w.data_offset)
+    return enc.getvalue()
+
+
+def decode_writes(data: bytes | memoryview, count: int) -> list[Write]:
+    dec = Decoder(data)
+    return [Write(dec.u64(), decode_rpc_tensor(dec), dec.u64(), dec.u64(), dec.u64()) for _ in range(count)]
+
+
+@dataclass(frozen=True)
+class Output:
+    """Graph node `node` copied to `offset` of the output resource after the compute."""
+
+    node: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    """An EXT_GRAPH_RUN request. `graph_size` 0 names a graph the host keeps; else the graph's
+    serialization is at offset 0 of `res_id` and is kept under `graph_id`. The `n_writes` records
+    of the writes are at `writes_offset` of `res_id` (`encode_writes`), not in the command."""
+
+    graph_id: int
+    res_id: int
+    graph_size: int = 0
+    writes_offset: int = 0
+    n_writes: int = 0
+    out_res_id: int = 0
+    outputs: tuple[Output, ...] = field(default=())
+
+    def encode(self) -> bytes:
+        enc = Encoder()
+        enc.u64(self.graph_id)
+        enc.u32(self.res_id)
+        enc.u64(self.graph_size)
+        enc.u64(self.writes_offset)
+        enc.u32(self.n_writes)
+        enc.u32(self.out_res_id)
+        enc.u32(len(self.outputs))
+        for o in self.outputs:
+            enc.u32(o.node)
+            enc.u64(o.offset)
+        return enc.getvalue()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> GraphRun:
+        """Raises `ApirDecodeError` on a cut request, ValueError on counts past the host's limits."""
+        dec = Decoder(data)
+        graph_id, res_id, graph_size, writes_offset, n_writes = dec.u64(), dec.u32(), dec.u64(), dec.u64(), dec.u32()
+        if n_writes > MAX_WRITES:
+            raise ValueError(f"{n_writes} writes, more than the host takes ({MAX_WRITES})")
+        out_res_id, n_outputs = dec.u32(), dec.u32()
+        if n_outputs > MAX_OUTPUTS:
+            raise ValueError(f"{n_outputs} outputs, more than the host takes ({MAX_OUTPUTS})")
+        outputs = tuple(Output(dec.u32(), dec.u64()) for _ in range(n_outputs))
+        return cls(graph_id, res_id, graph_size, writes_offset, n_writes, out_res_id, outputs)
+
+
+def decode_graph_run_reply(data: bytes | memoryview) -> tuple[int, int]:
+    """(result, ggml status) of an EXT_GRAPH_RUN reply."""
+    dec = Decoder(data)
+    return dec.u32(), dec.i32()
+
+
+def decode_features(data: bytes | memoryview) -> int:
+    return Decoder(data).u64()
