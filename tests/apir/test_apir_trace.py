@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apirctl.apir import messages, protocol, table, tensor
+from apirctl.apir import extensions, messages, protocol, table, tensor
 from apirctl.apir import trace as apir_trace
 from apirctl.apir.wire import Encoder
 from tests.support.bench_helpers import run_cli
@@ -205,3 +205,37 @@ def test_cli_missing_file_and_no_trace(tmp_path: Path) -> None:
     assert done.returncode == 1 and "cannot read" in done.stderr and "Traceback" not in done.stderr
     done = run_cli("apir", "trace")
     assert done.returncode == 1 and "no APIR trace found" in done.stderr
+
+
+def _graph_run(run: extensions.GraphRun, result: int = extensions.RESULT_DONE) -> bytes:
+    request = messages.encode_command(protocol.CommandType.FORWARD, extensions.GRAPH_RUN, 1) + run.encode()
+    return apir_trace.encode_record(request, struct.pack("<Ii", result, 0))
+
+
+def test_graph_runs_count_as_computes_and_show_how_their_graphs_travelled() -> None:
+    out = (extensions.Output(0, 0), extensions.Output(1, 2304))
+    data = apir_trace.MAGIC + b"".join([
+        _graph_run(extensions.GraphRun(1, 2, 4000, 4096, 9, 3, out)),  # sent
+        _graph_run(extensions.GraphRun(1, 2, 0, 64, 9, 3, out)),  # named by id
+        _graph_run(extensions.GraphRun(1, 2, 0, 64, 9, 3, out), extensions.RESULT_UNKNOWN_GRAPH),
+        _graph_run(extensions.GraphRun(1, 2, 4000, 4096, 9, 3, out)),  # sent again
+        _graph_run(extensions.GraphRun(0, 2, 0, 64, 3)),  # writes only: no compute
+    ])
+    records = apir_trace.read(data)
+    assert {r.name for r in records} == {"ext_graph_run"}
+    summary = apir_trace.summarize(records)
+    assert summary.computes == 3
+    assert summary.graph_cache.as_dict() == {"by_id": 1, "sent": 2, "unknown": 1, "writes": 30, "outputs": 6}
+    assert summary.graph_bytes_per_compute == 8000 / 3
+    assert summary.calls_per_compute == 5 / 3
+    args = records[1].arguments()
+    assert args["request"]["n_writes"] == 9 and args["request"]["outputs"][1] == {"node": 1, "offset": 2304}
+    assert args["reply"] == {"result": 0, "status": 0}
+
+
+def test_a_graph_run_past_the_hosts_limits_is_a_problem_not_a_crash() -> None:
+    run = extensions.GraphRun(1, 2, 0, 0, extensions.MAX_WRITES + 1)
+    record = apir_trace.read(apir_trace.MAGIC + _graph_run(run))[0]
+    assert record.problem() is not None and "writes" in str(record.problem())
+    assert record.graph_run() is None
+    assert apir_trace.summarize([record]).computes == 0

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from apirctl.apir import messages, table
-from apirctl.apir.tensor import RpcTensor
+from apirctl.apir import extensions, messages, table
+from apirctl.apir import trace as apir_trace
+from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL_MAT, Graph, RpcTensor, Tensor
 from apirctl.build import llamacpp
 from tests.support import build_servers
 from tests.support.build_servers import greedy_tokens
@@ -388,11 +389,12 @@ def test_host_refuses_to_start_insecurely(llama_build: llamacpp.Build, tmp_path:
 
 @contextlib.contextmanager
 def llama_server(build: llamacpp.Build, model: Path, workdir: Path, socket_path: Path | None,
-                 ) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+                 extra_env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
     """The build's llama-server: on the APIR device when socket_path is given, else native CPU."""
-    env = {k: v for k, v in os.environ.items() if k != "GGML_VIRTGPU_SOCKET"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_VIRTGPU_")}
     if socket_path is not None:
         env["GGML_VIRTGPU_SOCKET"] = str(socket_path)
+    env.update(extra_env or {})
     with build_servers.llama_server(build, model, workdir, ["-ngl", "99"] if socket_path else None, env) as found:
         yield found
 
@@ -438,3 +440,203 @@ def test_socket_set_but_no_host_is_a_clear_error(llama_build: llamacpp.Build, de
                           capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode != 0
     assert "cannot connect to the APIR host at GGML_VIRTGPU_SOCKET=" in done.stderr
+
+
+# --- EXT_GRAPH_RUN (patch 0019): a token's exchange in one call, graphs kept by id -----------------
+
+DATA_RES, OUT_RES = 2, 3
+WRITES_AT, X_AT, Y_AT = 1 << 18, 1 << 19, (1 << 19) + 64  # in the data resource, after the graph
+OUT = (extensions.Output(0, 0),)
+
+
+class GraphRunClient(Client):
+    """A client with a reply, a 1 MiB data and a 64 KiB output resource, the library loaded and a
+    4 KiB buffer of the CPU backend's memory (what a GPU host's buffers are: copies are calls)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self.shmem(1, REPLY_SIZE)
+        self.shmem(DATA_RES, 1 << 20)
+        self.shmem(OUT_RES, 1 << 16)
+        assert self.call(LOADLIBRARY)[0] == 0
+        buft = struct.unpack_from("<Q", self.call(FORWARD, DEVICE_GET_BUFFER_TYPE)[1])[0]
+        ret, reply = self.call(FORWARD, BUFFER_TYPE_ALLOC_BUFFER, struct.pack("<QQ", buft, 4096))
+        assert ret == FORWARD_BASE
+        self.buffer = struct.unpack_from("<Q", reply)[0]
+
+    def graph(self, name: str = "out") -> tuple[Tensor, Tensor, bytes]:
+        """out = x + y, 16 floats each, in this client's buffer; (x, y, the graph's serialization)."""
+        x = Tensor((16,), name="x", buffer=self.buffer, offset=0)
+        y = Tensor((16,), name="y", buffer=self.buffer, offset=64)
+        out = Tensor((16,), op=OP_ADD, src=[x, y], name=name, flags=FLAG_OUTPUT, buffer=self.buffer, offset=128)
+        return x, y, Graph([out]).serialize()
+
+    def inputs(self, x: Tensor, y: Tensor) -> tuple[extensions.Write, ...]:
+        """Writes of x and y, their bytes at X_AT and Y_AT."""
+        return (extensions.Write(self.buffer, x.to_rpc(), 0, 64, X_AT),
+                extensions.Write(self.buffer, y.to_rpc(), 0, 64, Y_AT))
+
+    def run(self, graph_id: int, graph: bytes = b"", writes: tuple[extensions.Write, ...] = (),
+            outputs: tuple[extensions.Output, ...] = (), x: list[float] | None = None, y: list[float] | None = None,
+            graph_size: int | None = None, res_id: int = DATA_RES, out_res_id: int = OUT_RES,
+            n_writes: int | None = None, writes_offset: int = WRITES_AT) -> tuple[int, int, int]:
+        """One EXT_GRAPH_RUN, its graph, writes and their bytes put in the data resource first:
+        (forward return, result, status)."""
+        data = self.maps[DATA_RES]
+        data[0:len(graph)] = graph
+        block = extensions.encode_writes(writes)[:len(data) - writes_offset]
+        data[writes_offset:writes_offset + len(block)] = block
+        for at, values in ((X_AT, x), (Y_AT, y)):
+            if values is not None:
+                data[at:at + 64] = struct.pack("<16f", *values)
+        request = extensions.GraphRun(graph_id, res_id, len(graph) if graph_size is None else graph_size, writes_offset,
+                                      len(writes) if n_writes is None else n_writes, out_res_id, outputs)
+        ret, reply = self.call(FORWARD, extensions.GRAPH_RUN, request.encode())
+        if ret != FORWARD_BASE:
+            return ret, -1, -1
+        result, status = extensions.decode_graph_run_reply(reply)
+        return ret, result, status
+
+    def output(self) -> list[float]:
+        return list(struct.unpack("<16f", self.maps[OUT_RES][0:64]))
+
+
+def test_graph_run_keeps_graphs_by_id_and_refuses_what_it_must(asan_host: Path, llama_build: llamacpp.Build,
+                                                                workdir: Path) -> None:
+    done = (FORWARD_BASE, extensions.RESULT_DONE, 0)
+    with apir_host(asan_host, llama_build, workdir) as (host, path, log):
+        c = GraphRunClient(path)
+        ret, reply = c.call(FORWARD, extensions.GET_FEATURES)
+        assert ret == FORWARD_BASE and extensions.decode_features(reply) & extensions.FEATURE_GRAPH_RUN
+        x, y, graph = c.graph()
+        ones, tens = [1.0 + i for i in range(16)], [10.0 * i for i in range(16)]
+        assert c.run(1, graph, c.inputs(x, y), OUT, ones, tens) == done
+        assert c.output() == [a + b for a, b in zip(ones, tens, strict=True)]
+
+        # the graph named by its id computes the new inputs its writes bring
+        assert c.run(1, b"", c.inputs(x, y), OUT, tens, tens) == done
+        assert c.output() == [2 * b for b in tens]
+
+        # an id the host does not hold is answered as unknown, and nothing of the call is applied
+        assert c.run(99, b"", c.inputs(x, y), OUT, ones, ones) == (FORWARD_BASE, extensions.RESULT_UNKNOWN_GRAPH, 0)
+        c.maps[OUT_RES][0:64] = bytes(64)
+        assert c.run(1, outputs=OUT) == done
+        assert c.output() == [2 * b for b in tens], "the unknown graph's writes were applied"
+
+        # writes alone (graph id 0): applied, nothing computed
+        c.maps[OUT_RES][0:64] = bytes(64)
+        assert c.run(0, b"", c.inputs(x, y), (), ones, ones) == done
+        assert c.output() == [0.0] * 16
+        assert c.run(1, outputs=OUT) == done
+        assert c.output() == [2 * a for a in ones]
+
+        # the cache is bounded: four more graphs push the first out
+        for graph_id in range(2, 6):
+            assert c.run(graph_id, c.graph(f"out{graph_id}")[2]) == done
+        assert c.run(1, outputs=OUT)[1] == extensions.RESULT_UNKNOWN_GRAPH
+        assert c.run(5) == done
+
+        # a freed buffer drops every graph that could name it; sending one again that names it is refused
+        free = table.by_name("buffer_free_buffer").index
+        assert c.call(FORWARD, free, struct.pack("<Q", c.buffer))[0] == FORWARD_BASE
+        assert c.run(5)[1] == extensions.RESULT_UNKNOWN_GRAPH
+        assert c.run(5, graph)[0] == FORWARD_BASE + 1
+        assert c.closed_by_host(), "the host kept a client that named a freed buffer"
+        c.close()
+
+        # no sharing between clients: the next client's id 1 is not the last one's
+        a = GraphRunClient(path)
+        assert a.run(1, a.graph()[2]) == done
+        a.close()
+        b = GraphRunClient(path)
+        assert b.run(1)[1] == extensions.RESULT_UNKNOWN_GRAPH
+        b.close()
+
+        def refused(name: str, send) -> None:  # type: ignore[no-untyped-def]
+            c = GraphRunClient(path)
+            try:
+                x, y, graph = c.graph()
+                assert send(c, x, y, graph)[0] == FORWARD_BASE + 1, name
+                assert c.closed_by_host(), f"the host kept a client after {name}"
+            finally:
+                c.close()
+            assert host.poll() is None, log.read_text(errors="replace")[-3000:]
+
+        W, Out = extensions.Write, extensions.Output
+        refused("a graph without an id", lambda c, x, y, g: c.run(0, g))
+        refused("a graph larger than its resource", lambda c, x, y, g: c.run(1, g, graph_size=2 << 20))
+        refused("a graph in an unknown resource", lambda c, x, y, g: c.run(1, g, res_id=77))
+        refused("a write to an unknown buffer", lambda c, x, y, g: c.run(0, writes=(W(c.buffer + 1, x.to_rpc(), 0,
+                                                                                       64, X_AT),)))
+        refused("a write past its tensor", lambda c, x, y, g: c.run(0, writes=(W(c.buffer, x.to_rpc(), 32, 64, X_AT),)))
+        refused("a write whose bytes wrap around",
+                lambda c, x, y, g: c.run(0, writes=(W(c.buffer, x.to_rpc(), 0, 64, (1 << 64) - 32),)))
+        refused("a write past its resource",
+                lambda c, x, y, g: c.run(0, writes=(W(c.buffer, x.to_rpc(), 0, 64, (1 << 20) - 32),)))
+        refused("write records past their resource",
+                lambda c, x, y, g: c.run(0, writes=c.inputs(x, y), writes_offset=(1 << 20) - extensions.WRITE_SIZE))
+        refused("more writes than the host takes", lambda c, x, y, g: c.run(0, writes=c.inputs(x, y), n_writes=257))
+        refused("outputs without a graph", lambda c, x, y, g: c.run(0, outputs=OUT))
+        refused("an output naming no node", lambda c, x, y, g: c.run(1, g, outputs=(Out(5, 0),)))
+        refused("an output past its resource", lambda c, x, y, g: c.run(1, g, outputs=(Out(0, (1 << 16) - 32),)))
+        refused("an output in an unknown resource", lambda c, x, y, g: c.run(1, g, outputs=OUT, out_res_id=77))
+
+        # get_alloc_size hands the backend only tensors it can check (ggml-cuda asserts on a
+        # FLASH_ATTN_EXT without its K): a product without its second source is refused
+        c = GraphRunClient(path)
+        buft = struct.unpack_from("<Q", c.call(FORWARD, DEVICE_GET_BUFFER_TYPE)[1])[0]
+        plain = messages.encode_request("buffer_type_get_alloc_size", buft=buft, op=Tensor((16, 4), name="t"))
+        ret, reply = c.call(FORWARD, table.by_name("buffer_type_get_alloc_size").index, plain)
+        assert ret == FORWARD_BASE and struct.unpack_from("<Q", reply)[0] == 256
+        lone = Tensor((4, 4), op=OP_MUL_MAT, src=[Tensor((16, 4), name="a")], name="mm")
+        one_source = messages.encode_request("buffer_type_get_alloc_size", buft=buft, op=lone)
+        assert c.call(FORWARD, table.by_name("buffer_type_get_alloc_size").index, one_source)[0] == FORWARD_BASE + 1
+        assert c.closed_by_host()
+        c.close()
+        assert host.poll() is None
+        good_session(path)
+        text = log.read_text(errors="replace")
+        assert "runtime error" not in text and "AddressSanitizer" not in text, text[-3000:]
+
+
+def forwarded_between_computes(records: list[apir_trace.Record]) -> list[int]:
+    """For each generated token after the first two computes: the forwarded calls from one compute to
+    the next (1 when the compute is the token's only call)."""
+    forwarded = [r for r in records if r.cmd_type == FORWARD]
+    computes = [i for i, r in enumerate(forwarded)
+                if r.name == "backend_graph_compute" or ((found := r.graph_run()) and found[0].graph_id)]
+    return [b - a for a, b in zip(computes[1:], computes[2:], strict=False)]
+
+
+@pytest.mark.parametrize("shared_buffers", ["1", "0"], ids=["shared-buffers", "host-buffers"])
+def test_graph_run_gives_native_tokens_in_one_call_per_token(llama_build: llamacpp.Build, demo_model: Path,
+                                                            workdir: Path, shared_buffers: str) -> None:
+    with llama_server(llama_build, demo_model, workdir, None) as (_, url, _log):
+        native = greedy_tokens(url)
+    summaries = {}
+    for graph_run in ("1", "0"):
+        trace = workdir / f"trace-{graph_run}.bin"
+        env = {"GGML_VIRTGPU_SHARED_BUFFERS": shared_buffers, "GGML_VIRTGPU_GRAPH_RUN": graph_run}
+        with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, _host_log), \
+                llama_server(llama_build, demo_model, workdir, path, env) as (_, url, _log):
+            assert greedy_tokens(url) == native, f"graph run {graph_run}, shared buffers {shared_buffers}"
+        records = apir_trace.read(trace.read_bytes())
+        summaries[graph_run] = (apir_trace.summarize(records), forwarded_between_computes(records))
+
+    on, between_on = summaries["1"]
+    off, between_off = summaries["0"]
+    cache = on.graph_cache
+    assert on.computes >= 24 and "backend_graph_compute" not in on.functions
+    assert cache.by_id >= 20 and cache.sent <= 3 and cache.unknown == 0, cache
+    # generation: the compute is each token's only call
+    assert between_on and max(between_on) == 1, between_on
+    if shared_buffers == "0":  # a GPU host's path: the inputs ride with the compute, the logits come back with it
+        assert cache.writes >= 2 * on.computes and cache.outputs >= on.computes, cache
+    else:  # inputs and outputs live in memory both sides map: nothing to carry
+        assert cache.writes == 0 and cache.outputs == 0, cache
+    # upstream's calls: the graph sent with every compute, and with host buffers its copies as calls
+    assert off.computes >= 24 and off.graph_cache.by_id == 0 and "ext_graph_run" not in off.functions
+    assert off.graph_bytes_per_compute and off.graph_bytes_per_compute > 100_000
+    assert on.graph_bytes_per_compute is not None and on.graph_bytes_per_compute < off.graph_bytes_per_compute / 8
+    if shared_buffers == "0":
+        assert min(between_off) > 2, between_off

@@ -205,7 +205,12 @@ def test_apir_containers_generate_natives_tokens_and_survive_their_hosts_death(
     summary = json.loads(traced.stdout)["summary"]
     assert summary["graph_computes"] >= 16 and summary["failed"] == 0 and summary["calls_per_compute"] > 1
     functions = {f["function"] for f in summary["functions"]}
-    assert {"handshake", "loadlibrary", "device_buffer_from_ptr", "backend_graph_compute"} <= functions
+    assert {"handshake", "loadlibrary", "device_buffer_from_ptr", "ext_get_features", "ext_graph_run"} <= functions
+    # the container's frontend names its kept graphs by id (patch 0019): the graph cache is in use
+    assert "backend_graph_compute" not in functions
+    assert summary["graph_cache"]["by_id"] >= 12 and summary["graph_cache"]["unknown"] == 0, summary["graph_cache"]
+    text = cli("apir", "trace", "--server", names[0], "--summary")
+    assert text.returncode == 0 and "computes named a kept graph" in text.stdout, text.stdout
 
     # a second APIR container at once, on a host of its own: both answer
     second = serve.start(serve.options(str(demo_model), transport="virtgpu", port=free_port(), name=names[1],

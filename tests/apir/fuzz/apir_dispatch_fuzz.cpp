@@ -11,7 +11,8 @@
 //             req_len bytes of request fields (without the 12-byte command header)
 //             res_len bytes written into a shared resource before the call (when sel names one)
 //
-//   fn      the function index, modulo 24 (23 is one past the table: the index check)
+//   fn      the function index, modulo 26 (23 is one past the table: the index check; 24 and 25 are
+//           the extension commands 256 and 257 of backend/shared/apir_backend_ext.h)
 //   sel     bits 0-2: resource 1-4 to write the res bytes into (0, 5-7: none), at res_off modulo its
 //           size, cut at its end; bit 6: the call comes from a second guest context (ctx 2, not 1);
 //           bit 7: the reply area is 16 bytes instead of apir-host's 16 KiB - 4
@@ -63,6 +64,8 @@ uint32_t apir_backend_dispatcher(uint32_t ctx_id, apir_fuzz_callbacks * cbs, uin
 namespace {
 
 constexpr uint32_t N_FUNCTIONS         = 23;
+constexpr uint32_t N_EXTENSIONS        = 2;  // after the index check: commands 256, 257
+constexpr uint32_t EXT_BASE            = 256;
 constexpr uint32_t FN_GET_BUFFER_TYPE  = 7;
 constexpr uint32_t FN_BUFFER_FROM_PTR  = 9;
 constexpr uint32_t FN_ALLOC_BUFFER     = 14;
@@ -204,9 +207,10 @@ uint32_t dispatch(uint32_t ctx_id, uint32_t fn, std::vector<uint8_t> & request, 
     }
     memset(reply, 0, reply_size);
     char *   after = nullptr;
-    uint32_t ret   = apir_backend_dispatcher(ctx_id, &callbacks, fn, req, req + request.size(), reply,
+    uint32_t cmd   = fn <= N_FUNCTIONS ? fn : EXT_BASE + (fn - N_FUNCTIONS - 1);
+    uint32_t ret   = apir_backend_dispatcher(ctx_id, &callbacks, cmd, req, req + request.size(), reply,
                                              reply + reply_size, &after);
-    if (ret == 0 && fn < N_FUNCTIONS) {
+    if (ret == 0 && fn != N_FUNCTIONS) {
         if (after < reply || after > reply + reply_size) {
             fprintf(stderr, "apir-fuzz: function %u answered a reply cursor outside its reply area (%td of %zu)\n",
                     fn, after - reply, reply_size);
@@ -290,7 +294,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     size_t               at = 0;
     for (size_t n = 0; n < MAX_CALLS && size - at >= CALL_HEADER; n++) {
         const uint8_t * h       = data + at;
-        uint32_t        fn      = h[0] % (N_FUNCTIONS + 1);
+        uint32_t        fn      = h[0] % (N_FUNCTIONS + 1 + N_EXTENSIONS);
         uint8_t         sel     = h[1];
         size_t          req_len = (size_t) h[2] | (size_t) h[3] << 8;
         uint32_t        res_off, res_len;

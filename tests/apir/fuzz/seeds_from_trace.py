@@ -51,6 +51,8 @@ SUPPORTS_OP, GET_BUFFER_TYPE, BUFFER_FROM_PTR = 6, 7, 9
 ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE = 14, 15, 16
 SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR, FREE_BUFFER, GRAPH_COMPUTE = 17, 18, 19, 20, 21, 22
 N_FUNCTIONS = 23
+# the harness's numbers for the extension commands (llama_patches 0019): 256 and 257 on the wire
+EXT_GET_FEATURES, EXT_GRAPH_RUN = N_FUNCTIONS + 1, N_FUNCTIONS + 2
 # the functions whose request starts with a buffer-type or buffer handle
 HANDLE_FIRST = {10, 11, 12, ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE, SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR,
                 FREE_BUFFER}
@@ -304,6 +306,41 @@ def buffer_life(buft_call: Call | None) -> list[Call]:
     return out
 
 
+def graph_run_life(buft_call: Call | None) -> list[Call]:
+    """EXT_GRAPH_RUN: a graph sent with a write and an output, the same graph named by its id with
+    another write, a flush of writes alone, then the buffer freed and the id named again."""
+    buft = buft_call.produces[0] if buft_call and buft_call.produces else 0x1000
+    buffer = 0xB0FFE5
+    out = [buft_call] if buft_call else []
+    out.append(Call(EXT_GET_FEATURES, b""))
+    out.append(Call(ALLOC_BUFFER, U64.pack(buft) + U64.pack(RES_SIZE), [0], produces=[buffer]))
+    graph = graph_matmul_add(buffer)
+    data = graph.serialize()
+    n_nodes = U32.unpack_from(data, 0)[0]
+    first = 4 + 8 * n_nodes + 4
+    n_tensors = (len(data) - first) // RPC_TENSOR_SIZE
+    leaf = graph.nodes[0].src[0]
+    assert leaf is not None
+    write = U64.pack(buffer) + leaf.to_rpc().to_bytes() + U64.pack(0) + U64.pack(64) + U64.pack(len(data))
+    write_offsets = [4 + 8 + 4 + 8 + 4, 4 + 8 + 4 + 8 + 4 + 8 + RPC_BUFFER_AT]
+    outputs = U32.pack(RES_DATA) + U32.pack(1) + U32.pack(1) + U64.pack(0)
+    res = data + bytes(range(64))
+    graph_offsets = [first + i * RPC_TENSOR_SIZE + RPC_BUFFER_AT for i in range(n_tensors)]
+
+    def run(graph_id: int, size: int, writes: int) -> bytes:
+        return U64.pack(graph_id) + U32.pack(RES_GRAPH) + U64.pack(size) + U32.pack(writes) + \
+            (write if writes else b"") + outputs
+
+    out.append(Call(EXT_GRAPH_RUN, run(1, len(data), 1), write_offsets, res=RES_GRAPH, res_bytes=res,
+                    res_handle_offsets=graph_offsets))
+    out.append(Call(EXT_GRAPH_RUN, run(1, 0, 1), write_offsets))
+    out.append(Call(EXT_GRAPH_RUN, U64.pack(0) + U32.pack(RES_GRAPH) + U64.pack(0) + U32.pack(1) + write +
+                    U32.pack(RES_DATA) + U32.pack(0), write_offsets))
+    out.append(Call(FREE_BUFFER, U64.pack(buffer), [0]))
+    out.append(Call(EXT_GRAPH_RUN, run(1, 0, 0), []))
+    return out
+
+
 def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict[str, bytes]:
     """Named seed inputs from the trace's calls."""
     out: dict[str, bytes] = {"session-start": encode_input(calls[:48])}
@@ -323,6 +360,7 @@ def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict
         out[f"graph-{GRAPHS[n].__name__.removeprefix('graph_')}"] = encode_input(with_producers(calls, [i]))
     buft = next((c for c in calls if c.fn == GET_BUFFER_TYPE and c.produces), None)
     out["buffer-life"] = encode_input(buffer_life(buft))
+    out["graph-run-life"] = encode_input(graph_run_life(buft))
     return out
 
 
