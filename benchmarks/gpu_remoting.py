@@ -69,7 +69,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from gpu_passthrough import Passthrough as PassthroughPart
@@ -89,33 +89,49 @@ NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 #: The frontend's device is named after the host's ("[virtgpu] CUDA0", "[virtgpu] CPU"); the backend
 #: is ggml-virtgpu, and `-dev ggml-virtgpu0` is refused by llama-bench.
 VIRTGPU_PREFIX = "[virtgpu]"
+#: The frontend with upstream's calls only (a graph compute and its copies each a call; patch 0019 off)
+UPSTREAM_CALLS = {"GGML_VIRTGPU_GRAPH_RUN": "0"}
 
 
 def apir_per_token(records: list) -> dict:
     """Per generated token, from the trace of one llama-bench tg run through apir-host: the forwarded
-    calls after the first timed token's graph_compute up to the last one, over the tokens they cover.
+    calls after the first timed token's compute up to the last one, over the tokens they cover.
 
-    Every forwarded call of upstream's frontend waits for its reply, so calls per token are synchronous
+    Every forwarded call of the frontend waits for its reply, so calls per token are synchronous
     round trips. The first compute is llama-bench's warm-up and the second the first timed token (the
-    KV clear between them is per run, not per token); model loading comes before both.
+    KV clear between them is per run, not per token); model loading comes before both. A compute is a
+    backend_graph_compute (upstream's calls) or an ext_graph_run that computed a graph (patch 0019).
     """
     from apirctl.apir import protocol
 
+    def is_compute(r: Any) -> bool:
+        if r.name == "backend_graph_compute":
+            return True
+        found = r.graph_run()
+        return found is not None and found[0].graph_id != 0 and found[1] == 0
+
     forwarded = [r for r in records if r.cmd_type == protocol.CommandType.FORWARD]
-    computes = [i for i, r in enumerate(forwarded) if r.name == "backend_graph_compute"]
+    computes = [i for i, r in enumerate(forwarded) if is_compute(r)]
     if len(computes) < 4:
         raise RuntimeError(f"the trace has {len(computes)} graph computes: too few to count per token")
     window = forwarded[computes[1] + 1:computes[-1] + 1]
     tokens = len(computes) - 2
     calls: dict[str, int] = {}
     host_ns: dict[str, int] = {}
-    moved = {"backend_graph_compute": 0, "buffer_set_tensor": 0, "buffer_get_tensor": 0}
+    moved = {"graph": 0, "buffer_set_tensor": 0, "buffer_get_tensor": 0, "held_writes": 0, "outputs": 0}
+    by_id = 0
     for r in window:
         calls[r.name] = calls.get(r.name, 0) + 1
         host_ns[r.name] = host_ns.get(r.name, 0) + r.duration_ns
-        if r.name in moved:
-            request = r.arguments()["request"]
-            moved[r.name] += int(request["graph_size" if r.name == "backend_graph_compute" else "size"])
+        moved["graph"] += r.graph_bytes_sent()
+        if r.name in ("buffer_set_tensor", "buffer_get_tensor"):
+            moved[r.name] += int(r.arguments()["request"]["size"])
+        found = r.graph_run()
+        if found is not None:
+            run, _result = found
+            moved["held_writes"] += run.n_writes
+            moved["outputs"] += len(run.outputs)
+            by_id += 1 if run.graph_id and not run.graph_size else 0
     first = forwarded[computes[1]]
     wall_ns = window[-1].start_ns + window[-1].duration_ns - (first.start_ns + first.duration_ns)
     order = sorted(calls, key=lambda name: (-calls[name], name))
@@ -125,9 +141,12 @@ def apir_per_token(records: list) -> dict:
         "calls_per_token": {name: round(calls[name] / tokens, 3) for name in order},
         "host_us_per_call": {name: round(host_ns[name] / calls[name] / 1e3, 2) for name in order},
         "host_us_per_token_by_call": {name: round(host_ns[name] / tokens / 1e3, 2) for name in order},
-        "graph_bytes_per_compute": moved["backend_graph_compute"] / tokens,
+        "graph_bytes_per_compute": moved["graph"] / tokens,
+        "graphs_named_by_id_per_token": round(by_id / tokens, 3),
         "set_tensor_bytes_per_token": moved["buffer_set_tensor"] / tokens,
         "get_tensor_bytes_per_token": moved["buffer_get_tensor"] / tokens,
+        "held_writes_per_token": round(moved["held_writes"] / tokens, 3),
+        "outputs_per_token": round(moved["outputs"] / tokens, 3),
         "host_us_per_token": round(sum(host_ns.values()) / tokens / 1e3, 2),
         "wall_us_per_token": round(wall_ns / tokens / 1e3, 2),
         "failed": sum(1 for r in window if not r.ok),
@@ -652,16 +671,23 @@ class Runner:
 
     # -- 2c. APIR: the ggml-virtgpu frontend against apir-host ----------------------------
     def apir(self, shape: str) -> None:
-        """native, RPC over shared memory and APIR side by side, then a traced APIR generation."""
+        """native, RPC over shared memory, APIR with one call per token (patch 0019) and APIR with
+        upstream's calls side by side, native again after them; then a traced generation of each APIR."""
         done = self.results["bench"].get(shape, {})
         if "native" not in done:  # --parts transport apir: one native row serves both
             self.step(f"{shape}/native", self.bench, "native", shape, [])
         if "shm_netns" not in done:
             self.step(f"{shape}/shm", self.shm_served, shape)
-        self.step(f"{shape}/apir", self.apir_row, shape)
-        self.step(f"{shape}/apir-trace-tg32", self.apir_traced, shape, 32, need=30)
+        self.step(f"{shape}/apir", self.apir_row, shape, "apir_netns", {})
+        self.step(f"{shape}/apir_upstream_calls", self.apir_row, shape, "apir_upstream_calls_netns",
+                  UPSTREAM_CALLS)
+        self.step(f"{shape}/native_after", self.bench, "native_after", shape, [])
+        self.step(f"{shape}/apir-trace-tg32", self.apir_traced, shape, 32, "per_token", {}, need=30)
+        self.step(f"{shape}/apir-upstream-calls-trace-tg32", self.apir_traced, shape, 32, "per_token_upstream_calls",
+                  UPSTREAM_CALLS, need=30)
         entry = self.results.setdefault("apir", {}).setdefault(shape, {})
-        entry["rows"] = self.against_native(shape, ("native", "shm_netns", "apir_netns"), pp_lost=True)
+        entry["rows"] = self.against_native(shape, ("native", "shm_netns", "apir_netns", "apir_upstream_calls_netns",
+                                                    "native_after"), pp_lost=True)
         self.save()
         ratios = {k: {t: v["ratio"] for t, v in d.items()} for k, d in entry["rows"].items()}
         self.log(f"{shape} apir: {json.dumps(ratios)}")
@@ -671,42 +697,42 @@ class Runner:
         with self.server(unix):
             self.shm_row(shape, unix)
 
-    def apir_row(self, shape: str) -> None:
+    def apir_row(self, shape: str, key: str, extra_env: dict[str, str]) -> None:
         """llama-bench through apir-host, checked against the host's trace: a row whose tokens did
         not reach apir-host fails (and leaves no numbers behind)."""
-        trace = self.logs / f"apir-{shape}-bench.trace"
+        trace = self.logs / f"{key}-{shape}-bench.trace"
         with self.apir_host(trace) as sock:
-            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}
-            self.bench("apir_netns", shape, ["-dev", self.virtgpu_device(env)], env, ISOLATED)
+            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)} | extra_env
+            self.bench(key, shape, ["-dev", self.virtgpu_device(env)], env, ISOLATED)
         try:
-            checked = self.apir_check(shape, "apir_netns", trace, self.args.reps * 128)
+            checked = self.apir_check(shape, key, trace, self.args.reps * 128)
         except RuntimeError:
-            self.results["bench"][shape].pop("apir_netns", None)
+            self.results["bench"][shape].pop(key, None)
             raise
-        self.results.setdefault("apir", {}).setdefault(shape, {})["bench_trace"] = checked
+        self.results.setdefault("apir", {}).setdefault(shape, {})[f"{key}_trace"] = checked
 
-    def apir_traced(self, shape: str, n: int) -> None:
+    def apir_traced(self, shape: str, n: int, name: str, extra_env: dict[str, str]) -> None:
         """One tg run through apir-host, decoded per generated token with apirctl's own trace reader."""
         from apirctl.apir import trace as apir_trace
 
-        trace = self.logs / f"apir-{shape}-tg{n}.trace"
-        key = f"apir_traced_tg{n}"
+        trace = self.logs / f"apir-{name}-{shape}-tg{n}.trace"
+        key = f"apir_traced_{name}_tg{n}"
         with self.apir_host(trace, log_name="apir-host-traced.log") as sock:
-            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}
+            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)} | extra_env
             self.bench(key, shape, ["-dev", self.virtgpu_device(env)], env, ISOLATED, 1, ("0", str(n)))
         self.apir_check(shape, key, trace, n)
         per_token = apir_per_token(apir_trace.read(trace.read_bytes()))
         per_token["traced"] = f"tg{n}"
         per_token["tg_ts_traced"] = round(self.results["bench"][shape][key]["rows"][0]["avg_ts"], 2)
-        self.results.setdefault("apir", {}).setdefault(shape, {})["per_token"] = per_token
+        self.results.setdefault("apir", {}).setdefault(shape, {})[name] = per_token
         calls = ", ".join(f"{k} {v:g}" for k, v in per_token["calls_per_token"].items())
-        self.log(f"{shape} apir per token: {per_token['sync_calls_per_token']:g} synchronous calls ({calls}), "
+        self.log(f"{shape} apir {name}: {per_token['sync_calls_per_token']:g} synchronous calls ({calls}), "
                  f"{per_token['graph_bytes_per_compute']:.0f} B of graph per compute, host "
                  f"{per_token['host_us_per_token']:.1f} of {per_token['wall_us_per_token']:.1f} us")
 
     def apir_check(self, shape: str, key: str, trace: Path, min_computes: int) -> dict:
         """The row ran through apir-host: llama-bench used the virtgpu device, and the host's trace holds
-        at least one graph_compute per generated token, none failed."""
+        at least one graph compute per generated token, none failed."""
         from apirctl.apir import trace as apir_trace
 
         rows = self.results["bench"][shape][key]["rows"]
@@ -716,14 +742,14 @@ class Runner:
         if not trace.exists():
             raise RuntimeError(f"{key}: apir-host wrote no trace: the row did not run through it")
         summary = apir_trace.summarize(apir_trace.read(trace.read_bytes()))
-        computes = summary.functions.get("backend_graph_compute")
-        done = computes.calls - computes.failed if computes else 0
+        done = summary.computes
         if done < min_computes or summary.failed:
-            raise RuntimeError(f"{key}: apir-host's trace has {done} FORWARD graph_compute calls (at least "
+            raise RuntimeError(f"{key}: apir-host's trace has {done} graph computes (at least "
                                f"{min_computes} expected) and {summary.failed} failed commands: the row did not "
                                f"run through apir-host")
         return {"graph_computes": done, "commands": summary.records, "calls_per_compute": summary.calls_per_compute,
-                "host_s": round(summary.host_ns / 1e9, 3), "devices": sorted(devices)}
+                "graph_cache": summary.graph_cache.as_dict(), "host_s": round(summary.host_ns / 1e9, 3),
+                "devices": sorted(devices)}
 
     def virtgpu_device(self, env: dict[str, str]) -> str:
         """The frontend's device as llama-bench lists it through this host ("[virtgpu] CUDA0")."""
@@ -780,7 +806,8 @@ class Runner:
         """The apir part's rows and per-token trace as a small text table."""
         lines = ["APIR: t/s, ratio to native, ms lost per token (1/row - 1/native)",
                  f"{'shape':6} {'row':11} {'pp512':>26} {'tg128':>26}"]
-        labels = {"native": "native", "shm_netns": "rpc shm", "apir_netns": "apir"}
+        labels = {"native": "native", "shm_netns": "rpc shm", "apir_netns": "apir",
+                  "apir_upstream_calls_netns": "apir upstrm", "native_after": "native aft"}
         for shape, entry in self.results.get("apir", {}).items():
             rows = entry.get("rows", {})
             for key, label in labels.items():
@@ -793,18 +820,24 @@ class Runner:
                         cells.append(f"{v['ts']:>26.1f}")
                     else:
                         cells.append(f"{v['ts']:>10.1f} {v['ratio']:5.2f} {v['lost_ms_per_token']:+7.3f} ms")
-                state = self.results["steps"].get(f"{shape}/{'shm' if key == 'shm_netns' else key.split('_')[0]}", "")
+                step = {"shm_netns": "shm", "apir_netns": "apir", "apir_upstream_calls_netns": "apir_upstream_calls"}
+                state = self.results["steps"].get(f"{shape}/{step.get(key, key)}", "")
                 note = "" if key in rows or not state or state.startswith("ok") else f"  ({state[:60]})"
                 lines.append(f"{shape:6} {label:11} {' '.join(cells)}{note}")
-            pt = entry.get("per_token")
-            if pt:
+            for which in ("per_token", "per_token_upstream_calls"):
+                pt = entry.get(which)
+                if not pt:
+                    continue
                 calls = ", ".join(f"{k} {v:g}" for k, v in pt["calls_per_token"].items())
                 host = ", ".join(f"{k} {v:.1f}" for k, v in pt["host_us_per_call"].items())
-                lines += [f"{shape:6} per generated token ({pt['traced']} traced, {pt['tg_ts_traced']} t/s): "
+                lines += [f"{shape:6} {which}: per generated token ({pt['traced']} traced, {pt['tg_ts_traced']} t/s): "
                           f"{pt['sync_calls_per_token']:g} synchronous calls: {calls}",
-                          f"{'':6} graph re-sent per compute {pt['graph_bytes_per_compute']:.0f} B; per token "
+                          f"{'':6} graph sent per compute {pt['graph_bytes_per_compute']:.0f} B "
+                          f"(named by id {pt.get('graphs_named_by_id_per_token', 0):g}); per token "
                           f"set_tensor {pt['set_tensor_bytes_per_token']:.0f} B, "
-                          f"get_tensor {pt['get_tensor_bytes_per_token']:.0f} B",
+                          f"get_tensor {pt['get_tensor_bytes_per_token']:.0f} B, "
+                          f"held writes {pt.get('held_writes_per_token', 0):g}, "
+                          f"outputs {pt.get('outputs_per_token', 0):g}",
                           f"{'':6} host us per call: {host}; host {pt['host_us_per_token']:.1f} us of "
                           f"{pt['wall_us_per_token']:.1f} us per token"]
         return "\n".join(lines)
