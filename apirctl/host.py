@@ -8,7 +8,9 @@ no variable changes.
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
 import sys
 from typing import Literal
 
@@ -44,3 +46,28 @@ def os_is_linux() -> bool:
     """True when the kernel under this process is Linux, whatever APIRCTL_PLATFORM says: what only
     Linux offers (abstract Unix sockets, /proc)."""
     return sys.platform.startswith("linux")
+
+
+#: Where a glibc loader looks by itself when it cannot be asked (the usual built-in folders).
+DEFAULT_LOADER_DIRS = ("/lib64", "/usr/lib64", "/lib", "/usr/lib")
+_LOADERS = ("/lib64/ld-linux-x86-64.so.2", "/lib/ld-linux-aarch64.so.1")
+
+
+@functools.cache
+def loader_search_dirs() -> tuple[str, ...]:
+    """The folders this host's dynamic loader searches without its cache or LD_LIBRARY_PATH.
+
+    apirctl's images carry this loader but no cache: a library placed anywhere else (CUDA's runtime
+    under /usr/local/cuda, a driver under /usr/local/nvidia) is not found in them unless it is put
+    where they look."""
+    for loader in _LOADERS:
+        if not os.path.exists(loader):
+            continue
+        try:
+            out = subprocess.run([loader, "--help"], capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError):
+            break
+        found = tuple(line.split()[0] for line in out.splitlines() if line.rstrip().endswith("(system search path)"))
+        if found:
+            return found
+    return DEFAULT_LOADER_DIRS

@@ -33,6 +33,7 @@ import tempfile
 from pathlib import Path
 from string import Template
 
+from apirctl import host
 from apirctl.build.llamacpp import IMAGE_ONLY_EXECUTABLES, SOURCE_DIST, SOURCE_VERSION, Build
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import package_data
@@ -59,7 +60,7 @@ HEALTH_CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra", "-W
 #: A shell for `podman kube play`'s probes (`sh -c 'CHECK || exit 1'`); copied from the host.
 SHELL = Path("/bin/sh")
 #: Bump when stage_rootfs lays out the image differently (the tag changes with it).
-LAYOUT = "3: health check, /bin/sh, llama-perplexity"
+LAYOUT = "4: health check, /bin/sh, llama-perplexity, libraries outside the loader's folders in /app/bin"
 
 
 def recipe() -> str:
@@ -185,14 +186,20 @@ def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
     needed = system_libraries(placed)
     _copy_into(rootfs, SHELL)
     needed |= system_libraries([SHELL], own_dir=True)
+    at_their_path: set[Path] = set()  # named by absolute path elsewhere (a Vulkan manifest)
     if build.backend == "vulkan":
         drivers = vulkan_drivers()
         for manifest, library in drivers:
             _copy_into(rootfs, manifest)
-            needed.add(library)
+            at_their_path.add(library)
         needed |= system_libraries([library for _, library in drivers], own_dir=True)
-    for lib in sorted(needed):
-        _copy_into(rootfs, lib)
+    for lib in sorted(needed | at_their_path):
+        if lib in at_their_path or str(lib.parent) in host.loader_search_dirs():
+            _copy_into(rootfs, lib)
+        else:
+            # found here through this host's loader cache or LD_LIBRARY_PATH (CUDA's runtime under
+            # /usr/local/cuda): the image has neither, but /app/bin is on its LD_LIBRARY_PATH
+            shutil.copy2(lib.resolve(), app_bin / lib.name)
     (rootfs / "tmp").mkdir(exist_ok=True)
     (rootfs / "tmp").chmod(0o1777)
     # llama-server resolves its own user and the local host name; keep both lookups quiet.

@@ -28,6 +28,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, Field
 
+from apirctl import host
+
 KIND = "nvidia.com/gpu"
 SPEC_NAME = "apirctl-nvidia.yaml"
 #: The driver libraries a CUDA program loads, by soname.
@@ -108,11 +110,16 @@ def problem(driver: NvidiaDriver) -> str | None:
 
 def spec(driver: NvidiaDriver, kind: str = KIND) -> dict[str, object]:
     """The CDI spec of this driver: a device per GPU and `all`, the control nodes and the libraries for
-    every one of them. Each file is mounted where the host has it (the image's loader, built on a
-    Debian-like host, searches the same multiarch folders)."""
+    every one of them. A library is mounted where the host has it when the loader searches that folder
+    by itself (an image's loader has no cache to find it elsewhere, and apirctl's carries this host's
+    loader); else (a driver under /usr/local/nvidia, as on many GPU servers) into the first folder the
+    loader searches."""
+    searched = host.loader_search_dirs()
     mounts: list[dict[str, object]] = [
-        {"hostPath": str(Path(path).resolve()), "containerPath": path, "options": ["ro", "nosuid", "nodev", "bind"]}
-        for _, path in sorted(driver.libraries.items())
+        {"hostPath": str(Path(path).resolve()),
+         "containerPath": path if str(Path(path).parent) in searched else f"{searched[0]}/{name}",
+         "options": ["ro", "nosuid", "nodev", "bind"]}
+        for name, path in sorted(driver.libraries.items())
     ]
     if driver.smi:
         mounts.append({"hostPath": str(Path(driver.smi).resolve()), "containerPath": driver.smi,

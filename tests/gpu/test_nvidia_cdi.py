@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from apirctl import host
 from apirctl.gpu import cdi, nvidia
 
 LDCONFIG = """1234 libs found in cache `/etc/ld.so.cache'
@@ -61,6 +62,30 @@ def test_the_spec_names_each_gpu_and_all_with_the_control_nodes_and_libraries(tm
     assert all(m["options"] == ["ro", "nosuid", "nodev", "bind"] for m in mounts)
     assert nvidia.generated_by_apirctl("/etc/cdi/" + nvidia.SPEC_NAME)
     assert not nvidia.generated_by_apirctl("/etc/cdi/nvidia.yaml")
+
+
+def test_a_driver_outside_the_loaders_folders_is_mounted_where_the_loader_looks(tmp_path: Path) -> None:
+    """The GPU machine's driver is under /usr/local/nvidia/lib64, found there through the host's loader
+    cache; an image has no such cache (its `nvidia-smi -L` could not load libnvidia-ml.so)."""
+    ldconfig = LDCONFIG.replace("/usr/lib/x86_64-linux-gnu/libcuda.so.1", "/usr/local/nvidia/lib64/libcuda.so.1")
+    driver = nvidia.find_driver(fake_dev(tmp_path, "nvidia0", "nvidiactl"), ldconfig, smi="/usr/local/nvidia/bin/"
+                                "nvidia-smi", machine="x86-64")
+    mounts = {m["hostPath"]: m["containerPath"] for m in yaml.safe_load(nvidia.render(nvidia.spec(driver)))[
+        "containerEdits"]["mounts"]}
+    first = host.loader_search_dirs()[0]
+    assert mounts["/usr/local/nvidia/lib64/libcuda.so.1"] == f"{first}/libcuda.so.1"
+    # where the loader looks already, a library stays where the host has it; nvidia-smi is run by its path
+    assert mounts["/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"] == "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"
+    assert mounts["/usr/local/nvidia/bin/nvidia-smi"] == "/usr/local/nvidia/bin/nvidia-smi"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a glibc loader")
+def test_the_loaders_own_folders_hold_the_c_library() -> None:
+    searched = host.loader_search_dirs()
+    assert searched and all(d.startswith("/") for d in searched)
+    out = subprocess.run(["ldd", "/bin/sh"], capture_output=True, text=True).stdout
+    libc = next(line.split("=>")[1].split()[0] for line in out.splitlines() if "libc.so" in line)
+    assert str(Path(libc).parent) in searched
 
 
 @pytest.mark.parametrize(
