@@ -60,7 +60,7 @@ HEALTH_CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra", "-W
 #: A shell for `podman kube play`'s probes (`sh -c 'CHECK || exit 1'`); copied from the host.
 SHELL = Path("/bin/sh")
 #: Bump when stage_rootfs lays out the image differently (the tag changes with it).
-LAYOUT = "4: health check, /bin/sh, llama-perplexity, libraries outside the loader's folders in /app/bin"
+LAYOUT = "4: health check, /bin/sh, llama-perplexity, libraries outside the loader's folders linked from /app/bin"
 
 
 def recipe() -> str:
@@ -194,12 +194,13 @@ def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
             at_their_path.add(library)
         needed |= system_libraries([library for _, library in drivers], own_dir=True)
     for lib in sorted(needed | at_their_path):
-        if lib in at_their_path or str(lib.parent) in host.loader_search_dirs():
-            _copy_into(rootfs, lib)
-        else:
+        _copy_into(rootfs, lib)
+        if lib not in at_their_path and str(lib.parent) not in host.loader_search_dirs() and \
+                not (app_bin / lib.name).exists():
             # found here through this host's loader cache or LD_LIBRARY_PATH (CUDA's runtime under
-            # /usr/local/cuda): the image has neither, but /app/bin is on its LD_LIBRARY_PATH
-            shutil.copy2(lib.resolve(), app_bin / lib.name)
+            # /usr/local/cuda): the image has neither, but /app/bin is on its LD_LIBRARY_PATH (the
+            # loader itself, which the kernel finds by its path, is where it was)
+            (app_bin / lib.name).symlink_to(lib)
     (rootfs / "tmp").mkdir(exist_ok=True)
     (rootfs / "tmp").chmod(0o1777)
     # llama-server resolves its own user and the local host name; keep both lookups quiet.
