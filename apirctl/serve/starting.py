@@ -187,15 +187,21 @@ def _llama_command(opts: ServeOptions, model_file: str, model_name: str) -> list
         "--ctx-size", str(opts.ctx_size),
         "--alias", model_name,
     ]
+    return command + _shared_flags(opts)
+
+
+def _shared_flags(opts: ServeOptions) -> list[str]:
+    """The flags a one-model server and a router's children take alike."""
+    flags: list[str] = []
     if opts.threads:
-        command += ["--threads", str(opts.threads)]
+        flags += ["--threads", str(opts.threads)]
     if opts.api_key:
-        command += ["--api-key", opts.api_key]
+        flags += ["--api-key", opts.api_key]
     if opts.metrics:
-        command.append("--metrics")
+        flags.append("--metrics")
     if opts.idle_unload:
-        command += ["--sleep-idle-seconds", str(opts.idle_unload)]
-    return command
+        flags += ["--sleep-idle-seconds", str(opts.idle_unload)]
+    return flags
 
 
 def models_max(opts: ServeOptions, plan: Plan) -> tuple[int | None, str | None]:
@@ -215,15 +221,7 @@ def _router_command(opts: ServeOptions, plan: Plan) -> list[str]:
     """llama-server's router: no model of its own; it lists MODELS_DIR (a directory per model) and
     starts a child llama-server per model on its first request, each with these flags."""
     command = ["--models-dir", MODELS_DIR, "--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
-               "--ctx-size", str(opts.ctx_size)]
-    if opts.threads:
-        command += ["--threads", str(opts.threads)]
-    if opts.api_key:
-        command += ["--api-key", opts.api_key]
-    if opts.metrics:
-        command.append("--metrics")
-    if opts.idle_unload:
-        command += ["--sleep-idle-seconds", str(opts.idle_unload)]
+               "--ctx-size", str(opts.ctx_size), *_shared_flags(opts)]
     limit, _ = models_max(opts, plan)
     if limit is not None:
         command += ["--models-max", str(limit)]
