@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apirctl.apir.tensor import RPC_TENSOR_SIZE, RpcTensor, decode_rpc_tensor, encode_rpc_tensor
+from apirctl.apir.tensor import RPC_TENSOR_SIZE, RpcTensor, encode_rpc_tensor
 from apirctl.apir.wire import Decoder, Encoder
 
 GET_FEATURES = 256
@@ -53,11 +53,6 @@ def encode_writes(writes: tuple[Write, ...] | list[Write]) -> bytes:
         enc.u64(w.size)
         enc.u64(w.data_offset)
     return enc.getvalue()
-
-
-def decode_writes(data: bytes | memoryview, count: int) -> list[Write]:
-    dec = Decoder(data)
-    return [Write(dec.u64(), decode_rpc_tensor(dec), dec.u64(), dec.u64(), dec.u64()) for _ in range(count)]
 
 
 @dataclass(frozen=True)

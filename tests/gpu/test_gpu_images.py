@@ -15,7 +15,8 @@ def test_the_vulkan_build_is_its_own_cache_entry_with_image_only_targets() -> No
     vulkan, cpu = llamacpp.vulkan_options(), llamacpp.container_options()
     assert vulkan.key() != cpu.key()
     assert "-DGGML_VULKAN=ON" in vulkan.cmake_args() and "-DGGML_VULKAN=ON" not in cpu.cmake_args()
-    assert vulkan.targets() == ["llama-server", "llama-bench"]  # what the image holds, nothing more
+    assert vulkan.targets() == list(llamacpp.IMAGE_ONLY_EXECUTABLES)  # what the image holds, nothing more
+    assert "llama-perplexity" in vulkan.targets()  # `perplexity` runs it in every image
     assert "ggml-rpc-server" in cpu.targets()
 
 

@@ -156,7 +156,9 @@ def chat_or_explain(server: serve.Server) -> httpx.Response:
 def computes(trace_file: Path) -> int:
     """Graph computes the host has traced so far (it may be writing the last record)."""
     with trace_file.open("rb") as fh:
-        return sum(r.name == "backend_graph_compute" for r in apir_trace.records(fh, live=True))
+        return sum(r.name == "backend_graph_compute"
+                   or ((found := r.graph_run()) is not None and found[0].graph_id != 0)
+                   for r in apir_trace.records(fh, live=True))
 
 
 def _decode_in_background(base: str, results: list[Any]) -> threading.Thread:
@@ -208,7 +210,9 @@ def test_apir_containers_generate_natives_tokens_and_survive_their_hosts_death(
     assert {"handshake", "loadlibrary", "device_buffer_from_ptr", "ext_get_features", "ext_graph_run"} <= functions
     # the container's frontend names its kept graphs by id (patch 0019): the graph cache is in use
     assert "backend_graph_compute" not in functions
-    assert summary["graph_cache"]["by_id"] >= 12 and summary["graph_cache"]["unknown"] == 0, summary["graph_cache"]
+    # an id the host dropped (a buffer freed or cleared) is answered unknown and the graph sent again
+    cache = summary["graph_cache"]
+    assert cache["by_id"] >= 12 and cache["unknown"] <= cache["sent"], cache
     text = cli("apir", "trace", "--server", names[0], "--summary")
     assert text.returncode == 0 and "computes named a kept graph" in text.stdout, text.stdout
 

@@ -171,7 +171,8 @@ def test_an_idle_model_is_unloaded_and_the_next_request_loads_it_again(
         podman: str, llama_image: str, demo_model: Path, tmp_path: Path, name: str, port: int) -> None:
     first = "first-model"
     done = apirctl("serve", str(named_copy(demo_model, tmp_path / f"{first}.gguf")),
-                   str(named_copy(demo_model, tmp_path / "second-model.gguf")), "--transport", "none", "-p", str(port), "-n", name,
+                   str(named_copy(demo_model, tmp_path / "second-model.gguf")), "--transport", "none", "-p", str(port),
+                   "-n", name,
                    "--idle-unload", "3s", "-c", "1024", "--json")
     assert done.returncode == 0, done.stderr
     assert "--sleep-idle-seconds" in podman_command(name)
