@@ -108,16 +108,20 @@ def problem(driver: NvidiaDriver) -> str | None:
     return None
 
 
+def library_in_container(soname: str, path: str) -> str:
+    """Where the container sees a driver library. Where the host has it when the loader searches that
+    folder by itself (an image's loader has no cache to find it elsewhere, and apirctl's carries this
+    host's loader); else (a driver under /usr/local/nvidia, as on many GPU servers) in the first folder
+    the loader searches."""
+    searched = host.loader_search_dirs()
+    return path if str(Path(path).parent) in searched else f"{searched[0]}/{soname}"
+
+
 def spec(driver: NvidiaDriver, kind: str = KIND) -> dict[str, object]:
     """The CDI spec of this driver: a device per GPU and `all`, the control nodes and the libraries for
-    every one of them. A library is mounted where the host has it when the loader searches that folder
-    by itself (an image's loader has no cache to find it elsewhere, and apirctl's carries this host's
-    loader); else (a driver under /usr/local/nvidia, as on many GPU servers) into the first folder the
-    loader searches."""
-    searched = host.loader_search_dirs()
+    every one of them, each where `library_in_container` puts it."""
     mounts: list[dict[str, object]] = [
-        {"hostPath": str(Path(path).resolve()),
-         "containerPath": path if str(Path(path).parent) in searched else f"{searched[0]}/{name}",
+        {"hostPath": str(Path(path).resolve()), "containerPath": library_in_container(name, path),
          "options": ["ro", "nosuid", "nodev", "bind"]}
         for name, path in sorted(driver.libraries.items())
     ]
