@@ -663,3 +663,157 @@ def test_graph_run_follows_graphs_that_change_shape(llama_build: llamacpp.Build,
     assert remote == native
     cache = apir_trace.summarize(apir_trace.read(trace.read_bytes())).graph_cache
     assert cache.sent >= 3 and cache.by_id >= n // 2 and cache.unknown == 0, cache
+
+
+# --- indices: GET_ROWS, SET_ROWS and MUL_MAT_ID read them from tensor data while they compute -------
+
+OP_GET_ROWS, TYPE_I32 = 40, 26
+ROWS, WIDTH = 4, 16  # the table GET_ROWS reads from: 4 rows of 16 floats
+
+
+def get_rows_graph(buffer: int, n_ids: int, ids_at: int = 512, out_at: int | None = None,
+                   overwrite_ids: bool = False) -> tuple[Graph, Tensor]:
+    """rows = GET_ROWS(table, ids) in one buffer: the table at 0, `n_ids` int32 ids at `ids_at`, the
+    rows after them (or at `out_at`). With `overwrite_ids`, an ADD computed first writes its result over
+    the ids' memory; (the graph, the ids)."""
+    table_t = Tensor((WIDTH, ROWS), name="table", buffer=buffer, offset=0)
+    ids = Tensor((n_ids,), type=TYPE_I32, name="ids", buffer=buffer, offset=ids_at)
+    nodes = []
+    if overwrite_ids:
+        nodes.append(Tensor((n_ids,), op=OP_ADD, src=[Tensor((n_ids,), name="a", buffer=buffer,
+                                                                      offset=ids_at + 4 * n_ids),
+                                                      Tensor((n_ids,), name="b", buffer=buffer,
+                                                             offset=ids_at + 8 * n_ids)],
+                            name="over-ids", buffer=buffer, offset=ids_at))
+    rows_at = ids_at + 12 * n_ids if out_at is None else out_at
+    nodes.append(Tensor((WIDTH, n_ids), op=OP_GET_ROWS, src=[table_t, ids], name="rows", flags=FLAG_OUTPUT,
+                        buffer=buffer, offset=rows_at))
+    return Graph(nodes), ids
+
+
+def test_indices_are_checked_where_the_guest_cannot_change_them(asan_host: Path, llama_build: llamacpp.Build,
+                                                                workdir: Path) -> None:
+    """Indices out of range are refused wherever they are, a graph whose nodes overwrite the indices a
+    later node reads is refused, and indices in memory the guest shares are read from the host's copy:
+    a guest flipping one between a good and a bad value while the host computes gets answers, never an
+    abort (the CPU backend asserts on an index out of range)."""
+    with apir_host(asan_host, llama_build, workdir) as (host, path, log):
+        table_values = [float(r * 100 + c) for r in range(ROWS) for c in range(WIDTH)]
+
+        # in a buffer of the host's memory, written by the call itself
+        c = GraphRunClient(path)
+        graph, ids = get_rows_graph(c.buffer, 4, ids_at=256, out_at=512)
+        table_t = graph.nodes[-1].src[0]
+        data = c.maps[DATA_RES]
+        data[X_AT:X_AT + 256] = struct.pack(f"<{ROWS * WIDTH}f", *table_values)
+        data[X_AT + 256:X_AT + 272] = struct.pack("<4i", 3, 0, 2, 3)
+        writes = (extensions.Write(c.buffer, table_t.to_rpc(), 0, 256, X_AT),
+                  extensions.Write(c.buffer, ids.to_rpc(), 0, 16, X_AT + 256))
+        assert c.run(1, graph.serialize(), writes, OUT) == (FORWARD_BASE, extensions.RESULT_DONE, 0)
+        got = struct.unpack(f"<{4 * WIDTH}f", c.maps[OUT_RES][0:4 * WIDTH * 4])
+        assert list(got) == [table_values[r * WIDTH + col] for r in (3, 0, 2, 3) for col in range(WIDTH)]
+        # the same graph by its id, an index past the table's rows
+        data[X_AT + 256:X_AT + 272] = struct.pack("<4i", 3, 0, ROWS, 3)
+        assert c.run(1, b"", writes[1:], OUT)[0] == FORWARD_BASE + 1
+        assert c.closed_by_host()
+        c.close()
+        wait_for("the refusal logged", lambda: "has an index out of range" in log.read_text(errors="replace"), 30)
+
+        # a node computed before GET_ROWS writes over its indices: refused when the graph arrives
+        c = GraphRunClient(path)
+        graph, _ = get_rows_graph(c.buffer, 4, ids_at=256, out_at=512, overwrite_ids=True)
+        assert c.run(1, graph.serialize())[0] == FORWARD_BASE + 1
+        assert c.closed_by_host()
+        c.close()
+        assert "reads indices that node 0 writes" in log.read_text(errors="replace")
+
+        # a buffer that is the guest's own shared memory, one index flipped while the host computes
+        n_ids, size = 4096, 1 << 20
+        ids_at = 1024
+        fd = sealed_memfd(size)
+        try:
+            shared = mmap.mmap(fd, size)
+            shared[0:ROWS * WIDTH * 4] = struct.pack(f"<{ROWS * WIDTH}f", *table_values)
+            shared[ids_at:ids_at + 4 * n_ids] = struct.pack(f"<{n_ids}i", *(i % ROWS for i in range(n_ids)))
+            flip_at = ids_at + 4 * (n_ids - 1)
+            flipper = subprocess.Popen([sys.executable, "-c", (
+                "import mmap, sys\n"
+                f"m = mmap.mmap({fd}, {size})\n"
+                "good, bad = (1).to_bytes(4, 'little'), (1 << 30).to_bytes(4, 'little')\n"
+                f"while True:\n    m[{flip_at}:{flip_at + 4}] = bad\n    m[{flip_at}:{flip_at + 4}] = good\n")],
+                pass_fds=(fd,))
+            answered = refused = 0
+            try:
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline and answered + refused < 200:
+                    c = Client(path)
+                    try:
+                        c.shmem(1, REPLY_SIZE)
+                        socket.send_fds(c.sock, [header(SHMEM_CREATE, DATA_RES, size)], [fd])
+                        c.shmem(OUT_RES, 1 << 16)
+                        assert c.call(LOADLIBRARY)[0] == 0
+                        ret, reply = c.call(FORWARD, DEVICE_BUFFER_FROM_PTR, struct.pack("<IQQ", DATA_RES, size, size))
+                        buffer = struct.unpack_from("<Q", reply)[0]
+                        assert ret == FORWARD_BASE and buffer != 0
+                        graph, _ = get_rows_graph(buffer, n_ids, ids_at=ids_at)
+                        serialized = graph.serialize()
+                        c.maps[OUT_RES][0:len(serialized)] = serialized
+                        run = extensions.GraphRun(1, OUT_RES, len(serialized), 0, 0, OUT_RES, ())
+                        ret, reply = c.call(FORWARD, extensions.GRAPH_RUN, run.encode())
+                        assert ret in (FORWARD_BASE, FORWARD_BASE + 1), f"the host answered {ret}"
+                        if ret == FORWARD_BASE:
+                            assert extensions.decode_graph_run_reply(reply) == (extensions.RESULT_DONE, 0)
+                            answered += 1
+                        else:
+                            refused += 1
+                    finally:
+                        c.close()
+                    assert host.poll() is None
+            finally:
+                flipper.kill()
+                flipper.wait()
+        finally:
+            os.close(fd)
+        assert answered > 0 and refused > 0, (answered, refused)  # the flips met both checks
+        good_session(path)
+        text = log.read_text(errors="replace")
+        assert "GGML_ASSERT" not in text and "ended by signal" not in text, text[-3000:]
+        assert "runtime error" not in text and "AddressSanitizer" not in text, text[-3000:]
+
+
+WIDE_OP_PROBE = """
+import ctypes, sys
+ggml, base = ctypes.CDLL(sys.argv[1]), ctypes.CDLL(sys.argv[2])
+class Params(ctypes.Structure):
+    _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
+P = ctypes.c_void_p
+for lib, name, res, args in ((base, "ggml_init", P, [Params]),
+                             (base, "ggml_new_tensor_2d", P, [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+                             (base, "ggml_mul_mat", P, [P, P, P]),
+                             (ggml, "ggml_backend_dev_count", ctypes.c_size_t, []),
+                             (ggml, "ggml_backend_dev_get", P, [ctypes.c_size_t]),
+                             (ggml, "ggml_backend_dev_name", ctypes.c_char_p, [P]),
+                             (ggml, "ggml_backend_dev_supports_op", ctypes.c_bool, [P, P])):
+    getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
+ctx = base.ggml_init(Params(1 << 20, None, True))  # tensors without memory: only their shapes matter
+for i in range(ggml.ggml_backend_dev_count()):
+    dev = ggml.ggml_backend_dev_get(i)
+    for rows in (64, 1 << 32):
+        a, b = base.ggml_new_tensor_2d(ctx, 0, 64, rows), base.ggml_new_tensor_2d(ctx, 0, 64, 4)
+        product = base.ggml_mul_mat(ctx, a, b)
+        print(ggml.ggml_backend_dev_name(dev).decode(), rows, ggml.ggml_backend_dev_supports_op(dev, product))
+"""
+
+
+def test_an_op_wider_than_the_wire_stays_off_the_apir_device(asan_host: Path, llama_build: llamacpp.Build,
+                                                             workdir: Path) -> None:
+    """A graph's tensors reach the host as apir_rpc_tensor, with 32-bit shapes and strides: the frontend
+    does not claim an op with a tensor of 2^32 rows (which the CPU device takes), so it is never cut short."""
+    with apir_host(asan_host, llama_build, workdir) as (_host, path, _log):
+        done = subprocess.run([sys.executable, "-c", WIDE_OP_PROBE, str(llama_build.library("ggml")),
+                               str(llama_build.library("ggml-base"))], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "GGML_VIRTGPU_SOCKET": str(path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = {tuple(line.rsplit(" ", 2)[:2]): line.endswith("True") for line in done.stdout.splitlines()}
+    assert answers == {("[virtgpu] CPU", "64"): True, ("[virtgpu] CPU", str(1 << 32)): False,
+                       ("CPU", "64"): True, ("CPU", str(1 << 32)): True}
