@@ -30,7 +30,7 @@ from apirctl.apir import extensions, messages, table
 from apirctl.apir import trace as apir_trace
 from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL_MAT, Graph, RpcTensor, Tensor
 from apirctl.build import llamacpp
-from tests.support import build_servers
+from tests.support import build_servers, upstream_apir
 from tests.support.build_servers import greedy_tokens
 from tests.support.waiting import wait_for
 
@@ -164,10 +164,13 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | None = None,
-              env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
-    """apir-host on the CPU backend (with `env` added to its environment); yields (process, socket, log)."""
+              env: dict[str, str] | None = None, backend_library: Path | None = None
+              ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """apir-host on the CPU backend (with `env` added to its environment), over the build's backend
+    library or `backend_library`; yields (process, socket, log)."""
     path, log = workdir / "apir.sock", workdir / "apir-host.log"
-    args = [str(exe), "--socket", str(path), "--backend-library", str(build.library("ggml-virtgpu-backend")),
+    library = backend_library or build.library("ggml-virtgpu-backend")
+    args = [str(exe), "--socket", str(path), "--backend-library", str(library),
             "--ggml-library", str(build.library("ggml-cpu"))]
     if trace is not None:
         args += ["--trace", str(trace)]
@@ -316,8 +319,15 @@ def test_host_survives_hostile_clients_under_sanitizers(asan_host: Path, llama_b
             return table.by_name(fn).index, messages.encode_request(fn, buffer=buffer, tensor=t, res_id=2, offset=0,
                                                                    size=size)
 
-        refused("an index past the table", lambda b: (23, b""), FORWARD_BASE + 6)
-        refused("a negative index", lambda b: (-1, b""), FORWARD_BASE + 6)
+        # a function the library does not have is answered, and the client goes on: that answer is how a
+        # frontend learns what an upstream library lacks (EXT_GET_FEATURES)
+        c = Client(path)
+        c.shmem(1, REPLY_SIZE)
+        assert c.call(LOADLIBRARY)[0] == 0
+        for function in (23, -1, 300):
+            assert c.call(FORWARD, function)[0] == FORWARD_BASE + 6, function
+        assert c.call(FORWARD, DEVICE_GET_COUNT)[0] == FORWARD_BASE
+        c.close()
         refused("a graph larger than its resource", lambda b: (GRAPH_COMPUTE, struct.pack("<IQ", 2, 1 << 20)))
         refused("a buffer from a pointer larger than its resource",
                 lambda b: (DEVICE_BUFFER_FROM_PTR, struct.pack("<IQQ", 2, 1 << 30, 1 << 30)))
@@ -417,6 +427,42 @@ def test_same_greedy_tokens_native_and_through_apir_host(llama_build: llamacpp.B
     calls = decode_trace(trace)
     assert sum(1 for r in calls if r[0] == FORWARD and r[1] == extensions.GRAPH_RUN and r[2] == FORWARD_BASE) >= 24
     assert not any(r[1] == GRAPH_COMPUTE for r in calls if r[0] == FORWARD)
+
+
+@pytest.mark.parametrize("upstream_side", ["frontend", "host"])
+def test_both_pairings_with_upstream_give_natives_tokens(llama_build: llamacpp.Build, demo_model: Path,
+                                                         workdir: Path, upstream_side: str) -> None:
+    """Upstream's frontend (RamaLama's remoting image) against apirctl's host library, and apirctl's
+    frontend against upstream's library (the macOS bundle's): both generate native's greedy tokens, with
+    upstream's calls (a graph compute per token), the frontend having asked for the features and been
+    told of none by an upstream library, which keeps the client."""
+    upstream = upstream_apir.libraries()
+    with llama_server(llama_build, demo_model, workdir, None) as (_, url, _log):
+        native = greedy_tokens(url)
+    trace = workdir / "trace.bin"
+    backend_library = upstream / "libggml-virtgpu-backend.so" if upstream_side == "host" else None
+    client_env = {"LD_LIBRARY_PATH": str(upstream)} if upstream_side == "frontend" else {}
+    # upstream's library finds the build's libggml-base, as the frontend does
+    host_env = {"LD_LIBRARY_PATH": str(llama_build.bin_dir)} if upstream_side == "host" else None
+    with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace, env=host_env,
+                   backend_library=backend_library) as (_, path, host_log):
+        with llama_server(llama_build, demo_model, workdir, path, client_env) as (server, url, _log):
+            maps = Path(f"/proc/{server.pid}/maps").read_text()
+            remote = greedy_tokens(url)
+        wait_for("the host to see its client go",
+                 lambda: "client disconnected" in host_log.read_text(errors="replace"), 30)
+    frontend = next(line.split()[-1] for line in maps.splitlines() if "libggml-virtgpu.so" in line)
+    assert Path(frontend).resolve().parent == (upstream if upstream_side == "frontend"
+                                               else llama_build.bin_dir).resolve()
+    assert remote == native
+    calls = [r for r in decode_trace(trace) if r[0] == FORWARD]
+    computes = [r for r in calls if r[1] == GRAPH_COMPUTE and r[2] == FORWARD_BASE]
+    assert len(computes) >= 24 and not any(r[1] == extensions.GRAPH_RUN for r in calls)
+    asked = [r for r in calls if r[1] == extensions.GET_FEATURES]
+    if upstream_side == "host":
+        assert [r[2] for r in asked] == [FORWARD_BASE + 6]  # asked once, told the library lacks it
+    else:
+        assert asked == []  # upstream's frontend never asks
 
 
 def test_host_killed_mid_decode_fails_the_client_clearly(llama_build: llamacpp.Build, demo_model: Path,
