@@ -35,6 +35,10 @@ def main() -> int:
     ap.add_argument("--reg", default="ggml_backend_cuda_reg")
     ap.add_argument("--device", default="[virtgpu] CUDA0", help="the APIR device, as test-backend-ops -b names it")
     ap.add_argument("--deadline", type=float, default=300.0, help="seconds; later ops are skipped")
+    ap.add_argument("--ops", nargs="+", default=list(OPS), help="the ops to run (default: all of the subset)")
+    ap.add_argument("--graph-run", nargs="+", choices=["on", "off"], default=["on"],
+                    help="run each op with the one-call path (on), with upstream's calls (off: "
+                         "GGML_VIRTGPU_GRAPH_RUN=0, where indices the host checks are in device memory), or both")
     args = ap.parse_args()
     start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -58,17 +62,20 @@ def main() -> int:
         while not sock.exists() and host.poll() is None:
             time.sleep(0.05)
         try:
-            for op in OPS:
+            runs = [(op, mode) for mode in args.graph_run for op in args.ops]
+            for op, mode in runs:
+                key = op if mode == "on" else f"{op} GGML_VIRTGPU_GRAPH_RUN=0"
                 if time.monotonic() - start > args.deadline:
-                    results["ops"][op] = {"skipped": "deadline"}  # type: ignore[index]
+                    results["ops"][key] = {"skipped": "deadline"}  # type: ignore[index]
                     continue
                 began = time.monotonic()
-                done, counts = run_op(exe, sock, op, log, device=args.device)
-                results["ops"][op] = {  # type: ignore[index]
+                done, counts = run_op(exe, sock, op, log, device=args.device,
+                                      extra_env={"GGML_VIRTGPU_GRAPH_RUN": "0"} if mode == "off" else None)
+                results["ops"][key] = {  # type: ignore[index]
                     "passed": counts.passed, "unsupported": len(counts.unsupported), "failed": counts.failed,
                     "exit": done.returncode, "host_alive": host.poll() is None,
                     "seconds": round(time.monotonic() - began, 1)}
-                print(f"{op}: {counts.passed} passed, {len(counts.unsupported)} unsupported, "
+                print(f"{key}: {counts.passed} passed, {len(counts.unsupported)} unsupported, "
                       f"{len(counts.failed)} failed, exit {done.returncode}, host alive {host.poll() is None}",
                       flush=True)
                 if host.poll() is not None:

@@ -62,10 +62,10 @@ class Counts:
 
 
 def run_op(exe: Path, socket_path: Path, op: str, log: Path, device: str = DEVICE,
-           ) -> tuple[subprocess.CompletedProcess[str], Counts]:
-    """test-backend-ops for one op on the APIR device (named after the host's device, docs/apir.md);
-    its output goes to `log` as well."""
-    env = {**os.environ, "GGML_VIRTGPU_SOCKET": str(socket_path)}
+           extra_env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], Counts]:
+    """test-backend-ops for one op on the APIR device (named after the host's device, docs/apir.md),
+    with `extra_env` for the frontend; its output goes to `log` as well."""
+    env = {**os.environ, "GGML_VIRTGPU_SOCKET": str(socket_path), **(extra_env or {})}
     args = [str(exe), "test", "-b", device, "-o", op]
     if op in SUBSETS:
         args += ["-p", SUBSETS[op]]
