@@ -164,3 +164,48 @@ def write(text: str, path: Path) -> None:
 def generated_by_apirctl(spec_file: str) -> bool:
     """Whether a spec file (as `CdiDevice.spec` names it) is the one `apirctl gpu cdi` writes."""
     return Path(spec_file).name == SPEC_NAME
+
+
+def memory_by_process(text: str | None = None) -> dict[int, int]:
+    """The GPU memory each process holds, in bytes by pid, as the NVIDIA driver reports it (`text`: the
+    output of nvidia-smi's compute-apps query, else asked for); empty without the driver's tool. Each
+    remoting backend is a CUDA context of its own, so this is what each container costs the GPU."""
+    if text is None:
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return {}
+        try:
+            done = subprocess.run([smi, "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        if done.returncode != 0:
+            return {}
+        text = done.stdout
+    found: dict[int, int] = {}
+    for line in text.splitlines():
+        fields = [field.strip() for field in line.split(",")]
+        if len(fields) == 2 and fields[0].isdigit() and fields[1].isdigit():
+            pid = int(fields[0])
+            found[pid] = found.get(pid, 0) + int(fields[1]) * 2**20  # a process on several GPUs: summed
+    return found
+
+
+def memory_of(pid: int, by_process: dict[int, int]) -> int | None:
+    """The GPU memory of `pid` and its children (apir-host computes in a child per client), or None
+    when none of them holds any."""
+    total, seen = 0, False
+    for holder, used in by_process.items():
+        if holder == pid or _parent(holder) == pid:
+            total, seen = total + used, True
+    return total if seen else None
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses: the fields after its last ')' are fixed
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None

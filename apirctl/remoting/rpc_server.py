@@ -34,6 +34,7 @@ from pydantic import BaseModel, ValidationError
 from apirctl import config, durations
 from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError, tail
+from apirctl.gpu import nvidia
 from apirctl.machine import MachineState, MachineStatus, RestartOptions
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.podman import servers as podman_servers
@@ -350,9 +351,10 @@ def _shared_users(servers: list[Server]) -> list[Server]:
     return [s for s in servers if s.transport == "rpc" and s.rpc_link not in ("unix", "shm")]
 
 
-def own_backends(found: list[Server] | None = None) -> list[str]:
+def own_backends(found: list[Server] | None = None, gpu: dict[int, int] | None = None) -> list[str]:
     """One line per backend of its own that runs for a container (stale ones stopped first, when
-    Podman answers): the container, pid, link and socket."""
+    Podman answers): the container, pid, link and socket, and the GPU memory it holds (`gpu`, from
+    `nvidia.memory_by_process`)."""
     found = _listing() if found is None else found
     if found is not None:
         backends.clean(s.id for s in found if s.running)
@@ -361,19 +363,27 @@ def own_backends(found: list[Server] | None = None) -> list[str]:
     for instance in backends.instances():
         owner = names.get(instance.container) or instance.name or "?"
         down = "" if backends.alive(instance) else " (down)"
-        lines.append(f"{owner}: pid {instance.pid}, rpc-{instance.link}, {instance.socket}{down}")
+        lines.append(f"{owner}: pid {instance.pid}, rpc-{instance.link}, {instance.socket}"
+                     f"{_gpu_memory(instance.pid, gpu)}{down}")
     return lines
 
 
-def own_apir_hosts(found: list[Server] | None = None) -> list[str]:
-    """One line per apir-host (Linux virtgpu containers): the container, pid, socket, trace, and why
-    it is down (hosts of containers that are gone are stopped first; `found` lists every container)."""
+def own_apir_hosts(found: list[Server] | None = None, gpu: dict[int, int] | None = None) -> list[str]:
+    """One line per apir-host (Linux virtgpu containers): the container, pid, socket, trace, the GPU
+    memory its client's child holds, and why it is down (hosts of containers that are gone are stopped
+    first; `found` lists every container)."""
     if not apir_hosts.hosts():
         return []
     if found is not None:
         apir_hosts.clean(s.id for s in found)
     names = {s.id: s.name for s in found or []}
-    return [apir_hosts.describe(h, names.get(h.container)) for h in apir_hosts.hosts()]
+    return [apir_hosts.describe(h, names.get(h.container)) + _gpu_memory(apir_hosts.current_pid(h), gpu)
+            for h in apir_hosts.hosts()]
+
+
+def _gpu_memory(pid: int | None, gpu: dict[int, int] | None) -> str:
+    used = nvidia.memory_of(pid, gpu) if pid and gpu else None
+    return f", GPU memory {used // 2**20} MiB" if used is not None else ""
 
 
 def _apir_state(record: BackendRecord | None, build: Build | None) -> str:
@@ -402,8 +412,11 @@ def status(name: str | None = None) -> MachineStatus:
     record = read_record()
     # Podman is asked only when there is something to match (serve's `auto` asks this on its hot path)
     found = _listing() if record is not None or backends.instances() or apir_hosts.hosts() else []
-    own = own_backends(found) or None
-    apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found) or None}
+    # each container's backend is a GPU context of its own: what each holds (nothing asked on a host
+    # without the NVIDIA driver's tool, or without backends)
+    gpu = nvidia.memory_by_process() if backends.instances() or apir_hosts.hosts() else {}
+    own = own_backends(found, gpu) or None
+    apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found, gpu) or None}
     if record is None:  # APIR servers do not need it: each has its apir-host (say so, they are not in trouble)
         apir_serving = ", ".join(s.name for s in found or [] if s.running and s.transport == "virtgpu" and s.apir_host)
         also = f" (virtgpu servers run on apir-hosts of their own: {apir_serving})" if apir_serving else ""

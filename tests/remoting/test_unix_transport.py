@@ -174,6 +174,12 @@ def test_two_remoting_containers_each_on_a_backend_of_its_own(
     for name, started in zip(names, (first, second), strict=True):
         instance = instance_of(started.server.id)
         assert f"{name}: pid {instance.pid}, rpc-shm, {instance.socket}" in lines
+    # on an NVIDIA host each backend's line carries the GPU memory its context holds (the driver's report
+    # of the first backend's pid, given here: this machine has no GPU)
+    first_pid = instance_of(first.server.id).pid
+    with_gpu = rpc_server.own_backends(gpu={first_pid: 300 * 2**20, 1: 2**30})
+    assert sum(f"pid {first_pid}," in line and line.endswith(", GPU memory 300 MiB") for line in with_gpu) == 1
+    assert sum("GPU memory" in line for line in with_gpu) == 1
     printed = cli("machine", "status")
     assert printed.returncode == 1 and "backends:" in printed.stdout and names[0] in printed.stdout
 
