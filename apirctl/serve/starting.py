@@ -217,6 +217,18 @@ def models_max(opts: ServeOptions, plan: Plan) -> tuple[int | None, str | None]:
                "for another model unloads the loaded one")
 
 
+def _check_router_transport(opts: ServeOptions, plan: Plan) -> None:
+    """Refuse a router where no model of it could reach the backend: on Linux, llama-server's router
+    process itself registers the virtgpu frontend at start (its argument parsing asks whether the
+    backends can offload), which connects to the container's apir-host and holds it; the apir-host
+    serves one client at a time, so every model the router starts waits for it and fails to load."""
+    if opts.router and plan.apir_link == "socket":
+        raise ApirctlError("--transport virtgpu serves one model per container on Linux: llama-server's router "
+                           "holds the container's apir-host itself, which serves one client, so no model could load",
+                           hint="serve the models through one backend with --transport rpc, or each with "
+                           "`apirctl serve MODEL --transport virtgpu`")
+
+
 def _router_command(opts: ServeOptions, plan: Plan) -> list[str]:
     """llama-server's router: no model of its own; it lists MODELS_DIR (a directory per model) and
     starts a child llama-server per model on its first request, each with these flags."""
@@ -373,6 +385,7 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
         plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
                               own_image=opts.image is not None)
         _one_virtgpu_at_a_time(plan)
+        _check_router_transport(opts, plan)
     phase("model")
     model: Served = resolve_models(opts) if opts.router else resolve_model(opts.model)
     api = containers.connect()
