@@ -308,7 +308,8 @@ def ps(
     stats: bool = typer.Option(
         False, "--stats",
         help="What each running server is doing, from its /metrics and /slots: generation and prompt "
-        "tokens/s (averages since it started), busy slots, deferred requests, KV-cache use, tokens so far.",
+        "tokens/s (averages since it started), busy slots, deferred requests, KV-cache use, tokens so far; "
+        "a server of several models, each running model on a line of its own.",
     ),
 ) -> None:
     """List inference servers: apirctl's and the upstream Podman Desktop extension's (by label).
@@ -367,7 +368,7 @@ def _print_stats(servers: list[Any], json_out: bool) -> None:
 
     figures = [server_stats.collect(s) for s in servers]
     if json_out:
-        print_json([{**s.model_dump(mode="json"), "stats": {**f.model_dump(mode="json"), "kv_ratio": f.kv_ratio}}
+        print_json([{**s.model_dump(mode="json"), "stats": _stats_json(f)}
                     for s, f in zip(servers, figures, strict=True)])
         return
     if not servers:
@@ -376,17 +377,27 @@ def _print_stats(servers: list[Any], json_out: bool) -> None:
     header = ("NAME", "GEN T/S", "PROMPT T/S", "BUSY", "DEFERRED", "KV CACHE", "GENERATED", "PROMPT")
     rows = []
     for f in figures:
-        if f.problem:
-            rows.append((f.name, f.problem, "", "", "", "", "", ""))
-            continue
-        busy = f"{f.busy_slots}/{f.slots}" if f.slots is not None else _num(f.busy_slots)
-        kv = f"{f.kv_tokens}/{f.kv_size} ({f.kv_ratio:.0%})" if f.kv_ratio is not None else "-"
-        rows.append((f.name, _num(f.generation_tps, 1), _num(f.prompt_tps, 1), busy, _num(f.deferred), kv,
-                     _num(f.tokens_generated), _num(f.prompt_tokens)))
+        rows.append(_stats_row(f.name, f))
+        rows += [_stats_row(f"  {m.name} ({m.state})", m) for m in f.models]  # a router: each running model
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         console().print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip(),
                         markup=False, highlight=False, soft_wrap=True)
+
+
+def _stats_json(f: Any) -> dict[str, Any]:
+    """A server's figures with the KV-cache ratio; a router's models each the same way."""
+    return {**f.model_dump(mode="json", exclude={"models"}), "kv_ratio": f.kv_ratio,
+            "models": [_stats_json(m) for m in f.models]}
+
+
+def _stats_row(label: str, f: Any) -> tuple[str, ...]:
+    if f.problem:
+        return (label, f.problem, "", "", "", "", "", "")
+    busy = f"{f.busy_slots}/{f.slots}" if f.slots is not None else _num(f.busy_slots)
+    kv = f"{f.kv_tokens}/{f.kv_size} ({f.kv_ratio:.0%})" if f.kv_ratio is not None else "-"
+    return (label, _num(f.generation_tps, 1), _num(f.prompt_tps, 1), busy, _num(f.deferred), kv,
+            _num(f.tokens_generated), _num(f.prompt_tokens))
 
 
 def _num(value: float | None, digits: int = 0) -> str:

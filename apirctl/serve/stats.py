@@ -4,6 +4,11 @@ turned on by `serve`) and `/slots` (on by default in llama-server).
 `apirctl ps --stats` shows these; a scraper can read `/metrics` itself (docs/serve.md). The
 figures are counted since the server started (throughputs are its counters of tokens over its
 counters of processing time); the KV-cache figure is the slots' tokens now against their context.
+
+A router (several models) has no figures of its own: each loaded model is a llama-server of its own
+behind it, and the router answers `/metrics?model=NAME` and `/slots?model=NAME` from that one
+(`autoload=false`: asking loads no model). A model's counters start when it is loaded. The router's
+row is the sum of its models' (throughputs: their tokens over their processing time).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from collections.abc import Iterable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from apirctl.podman.servers import Server
 
@@ -33,6 +38,8 @@ class ServerStats(BaseModel):
     kv_tokens: int | None = None  # tokens held in the slots' KV cache now
     kv_size: int | None = None  # the slots' context, in tokens
     problem: str | None = None
+    state: str | None = None  # a router's model: loaded, loading or sleeping
+    models: list[ServerStats] = Field(default_factory=list)  # a router: each model that is not unloaded
 
     @property
     def kv_ratio(self) -> float | None:
@@ -73,21 +80,55 @@ def collect(server: Server, api_key: str | None = None, timeout: float = 2.0) ->
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         with httpx.Client(base_url=server.base, timeout=timeout, headers=headers) as client:
-            metrics = client.get("/metrics")
-            slots = client.get("/slots")
+            if server.router:
+                return _router_stats(server, client)
+            return _read(client, server.name)
     except httpx.HTTPError as exc:
         return ServerStats(name=server.name, problem=f"unreachable: {exc}")
+
+
+#: A router's models that run a llama-server of their own (an unloaded one has no figures).
+RUNNING_STATES = ("loaded", "loading", "sleeping")
+
+
+def _router_stats(server: Server, client: httpx.Client) -> ServerStats:
+    """A router's figures: each running model's, asked through the router, and their sum."""
+    models = []
+    for model, state in server.models.items():
+        if state not in RUNNING_STATES:
+            continue
+        # a sleeping model answers /metrics from its cache, but /slots would wake it: not asked
+        found = _read(client, model, {"model": model, "autoload": "false"}, slots=state != "sleeping")
+        if found.problem == _NOT_LOADED:  # unloaded since the router listed it
+            continue
+        models.append(found.model_copy(update={"state": state}))
+    total = _sum(server.name, [m for m in models if not m.problem])
+    if not models:
+        return total.model_copy(update={"problem": "no model loaded"})
+    if all(m.problem for m in models):  # the same reason for each (metrics off, the API key): the server's
+        return total.model_copy(update={"problem": models[0].problem, "models": models})
+    return total.model_copy(update={"models": models})
+
+
+_NOT_LOADED = "not loaded"
+
+
+def _read(client: httpx.Client, name: str, params: dict[str, str] | None = None, slots: bool = True) -> ServerStats:
+    """One llama-server's figures (a router's model: `params` name it)."""
+    metrics = client.get("/metrics", params=params)
     if metrics.status_code == 401:
-        return ServerStats(name=server.name, problem="the server wants its API key")
+        return ServerStats(name=name, problem="the server wants its API key")
+    if params and metrics.status_code == 400 and "not loaded" in metrics.text:
+        return ServerStats(name=name, problem=_NOT_LOADED)
     if metrics.status_code != 200:
-        return ServerStats(name=server.name,
+        return ServerStats(name=name,
                            problem=f"no metrics (HTTP {metrics.status_code}): started without them or by another tool")
     try:
         values = parse_metrics(metrics.text)
     except ValueError as exc:
-        return ServerStats(name=server.name, problem=f"unreadable metrics: {exc}")
+        return ServerStats(name=name, problem=f"unreadable metrics: {exc}")
     stats = ServerStats(
-        name=server.name,
+        name=name,
         generation_tps=_rate(values, "tokens_predicted_total", "tokens_predicted_seconds_total"),
         prompt_tps=_rate(values, "prompt_tokens_total", "prompt_seconds_total"),
         tokens_generated=_count(values.get("tokens_predicted_total")),
@@ -95,11 +136,29 @@ def collect(server: Server, api_key: str | None = None, timeout: float = 2.0) ->
         busy_slots=_count(values.get("requests_processing")),
         deferred=_count(values.get("requests_deferred")),
     )
-    listed = _slots(slots)
+    listed = _slots(client.get("/slots", params=params)) if slots else None
     if listed is not None:
         used, size = kv_use(listed)
         stats = stats.model_copy(update={"slots": len(listed), "kv_tokens": used, "kv_size": size})
     return stats
+
+
+def _sum(name: str, models: list[ServerStats]) -> ServerStats:
+    """A router's figures: its models' added up; throughputs are their tokens over their processing time
+    (each model's time is its tokens over its throughput)."""
+    def total(field: str) -> int | None:
+        values = [getattr(m, field) for m in models if getattr(m, field) is not None]
+        return sum(values) if values else None
+
+    def rate(tokens: str, tps: str) -> float | None:
+        pairs = [(getattr(m, tokens), getattr(m, tps)) for m in models if getattr(m, tps)]
+        seconds = sum(count / speed for count, speed in pairs)
+        return sum(count for count, _ in pairs) / seconds if seconds else None
+
+    return ServerStats(name=name, generation_tps=rate("tokens_generated", "generation_tps"),
+                       prompt_tps=rate("prompt_tokens", "prompt_tps"), tokens_generated=total("tokens_generated"),
+                       prompt_tokens=total("prompt_tokens"), busy_slots=total("busy_slots"), slots=total("slots"),
+                       deferred=total("deferred"), kv_tokens=total("kv_tokens"), kv_size=total("kv_size"))
 
 
 def _rate(values: dict[str, float], tokens: str, seconds: str) -> float | None:

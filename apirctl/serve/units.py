@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from apirctl.errors import ApirctlError
@@ -110,6 +111,11 @@ def _scalar(value: Any) -> str:
     return json.dumps(str(value))
 
 
+def _host_path_type(source: str | Path) -> str:
+    """A mount's hostPath type: a directory (a router's --models-dir, a socket's directory) or a file."""
+    return "Directory" if Path(source).is_dir() else "File"
+
+
 def kube(spec: ContainerSpec, restart: str | None = None) -> str:
     """A Kubernetes Pod for `podman kube play` (apirctl's labels become annotations: label values are
     restricted in Kubernetes)."""
@@ -147,7 +153,7 @@ def kube(spec: ContainerSpec, restart: str | None = None) -> str:
             "restartPolicy": {"no": "Never", "always": "Always", "unless-stopped": "Always"}.get(
                 (restart or "no").split(":")[0], "OnFailure"),
             "containers": [container],
-            "volumes": [{"name": f"model-{i}", "hostPath": {"path": str(m.source), "type": "File"}}
+            "volumes": [{"name": f"model-{i}", "hostPath": {"path": str(m.source), "type": _host_path_type(m.source)}}
                         for i, m in enumerate(spec.mounts)],
         },
     }

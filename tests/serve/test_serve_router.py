@@ -12,7 +12,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import threading
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -183,3 +186,187 @@ def test_an_idle_model_is_unloaded_and_the_next_request_loads_it_again(
     ask(name, first)  # the next request wakes it
     assert states(port)[first] == "loaded"
     assert apirctl("stop", name).returncode == 0
+
+
+# --- ps --stats of a router: each running model's figures, asked through the router --------------
+
+
+def router_stats(name: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """`ps --stats --json` of one server: its stats, and its models' stats by name."""
+    done = apirctl("ps", "--stats", "--json")
+    assert done.returncode == 0, done.stderr
+    shown = next(s["stats"] for s in json.loads(done.stdout) if s["name"] == name)
+    return shown, {m["name"]: m for m in shown["models"]}
+
+
+def model_metrics(port: int, model: str) -> dict[str, float]:
+    from apirctl.serve import stats
+
+    reply = httpx.get(f"http://127.0.0.1:{port}/metrics", params={"model": model, "autoload": "false"}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    return stats.parse_metrics(reply.text)
+
+
+def _long_completion(port: int, model: str, results: list[Any]) -> threading.Thread:
+    def run() -> None:
+        results.append(httpx.post(f"http://127.0.0.1:{port}/completion", timeout=300,
+                                  json={"model": model, "prompt": "Once upon a time", "n_predict": 200,
+                                        "ignore_eos": True, "temperature": 0}))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.integration
+def test_ps_stats_shows_each_running_model_of_a_router(
+        podman: str, llama_image: str, demo_model: Path, tmp_path: Path, name: str, port: int) -> None:
+    first, second = "first-model", "second-model"
+    done = apirctl("serve", str(named_copy(demo_model, tmp_path / f"{first}.gguf")),
+                   str(named_copy(demo_model, tmp_path / f"{second}.gguf")), "--transport", "none", "-p", str(port),
+                   "-n", name, "--idle-unload", "8s", "-c", "1024", "--json")
+    assert done.returncode == 0, done.stderr
+    shown, per_model = router_stats(name)
+    assert shown["problem"] == "no model loaded" and per_model == {}
+
+    ask(name, first)
+    shown, per_model = router_stats(name)
+    assert set(per_model) == {first}  # the unloaded one has no figures (and asking did not load it)
+    assert states(port)[second] == "unloaded"
+    one = per_model[first]
+    assert one["state"] == "loaded" and one["problem"] is None
+    assert one["tokens_generated"] == int(model_metrics(port, first)["tokens_predicted_total"]) > 0
+    assert one["generation_tps"] > 0 and one["busy_slots"] == 0 and 0 < one["kv_tokens"] <= one["kv_size"]
+    assert shown["problem"] is None and shown["tokens_generated"] == one["tokens_generated"]
+
+    # during a long answer of the second model: its slot is busy, and the router's row counts it
+    results: list[Any] = []
+    thread = _long_completion(port, second, results)
+
+    def busy() -> tuple[dict[str, Any], dict[str, dict[str, Any]]] | None:
+        found = router_stats(name)
+        return found if (found[1].get(second) or {}).get("busy_slots") == 1 else None
+
+    during, during_models = wait_for("the second model's slot to be busy", busy, timeout=240, interval=0.2)
+    # (the router may still list it `loading` while its first request runs)
+    assert during["busy_slots"] >= 1 and during_models[second]["state"] in ("loading", "loaded")
+    thread.join(300)
+    assert results and results[0].status_code == 200, results
+    shown, per_model = router_stats(name)
+    assert per_model[second]["tokens_generated"] >= 200 and per_model[second]["busy_slots"] == 0
+    assert shown["tokens_generated"] == sum(m["tokens_generated"] for m in per_model.values())
+    assert shown["kv_size"] == sum(m["kv_size"] for m in per_model.values() if m["kv_size"] is not None)
+
+    # a model put to sleep keeps its figures (the server's cached metrics), and `ps --stats` does not wake it
+    wait_for("the first model to sleep", lambda: states(port)[first] == "sleeping", timeout=60, interval=0.5)
+    shown, per_model = router_stats(name)
+    assert per_model[first]["state"] == "sleeping" and per_model[first]["tokens_generated"] == one["tokens_generated"]
+    assert per_model[first]["kv_tokens"] is None  # its slots are not asked: that would load it again
+    assert states(port)[first] == "sleeping"
+    table = apirctl("ps", "--stats").stdout.splitlines()
+    assert any(line.startswith(name) for line in table)
+    rows = {line.split()[0]: line for line in table if line.startswith("  ")}
+    assert "(sleeping)" in rows[first] and f"{per_model[second]['tokens_generated']}" in rows[second]
+    assert apirctl("stop", name).returncode == 0
+
+
+# --- --generate kube and quadlet of a router ------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_generate_kube_of_a_router_plays_and_both_models_answer(
+        podman: str, llama_image: str, demo_model: Path, tmp_path: Path, name: str, port: int) -> None:
+    import yaml
+
+    from tests.serve.test_serve_habits import podman_remote, wait_health
+
+    first, second = "first-model", "second-model"
+    paths = [named_copy(demo_model, tmp_path / f"{model}.gguf") for model in (first, second)]
+    done = apirctl("serve", *map(str, paths), "--transport", "none", "-p", str(port), "-n", name,
+                   "--models-max", "1", "-c", "1024", "--generate", "kube")
+    assert done.returncode == 0, done.stderr
+    assert not container_exists(name)
+    pod = yaml.safe_load(done.stdout)
+    container = pod["spec"]["containers"][0]
+    args = container["args"]
+    assert args[args.index("--models-dir"):][:2] == ["--models-dir", "/models"] and "--model" not in args
+    assert args[args.index("--models-max"):][:2] == ["--models-max", "1"] and "--metrics" in args
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v["hostPath"] for v in pod["spec"]["volumes"]}
+    assert {mounts[key]: (volumes[key]["path"], volumes[key]["type"]) for key in mounts} == {
+        f"/models/{first}/model.gguf": (str(paths[0]), "File"),
+        f"/models/{second}/model.gguf": (str(paths[1]), "File"),
+    }
+    annotations = pod["metadata"]["annotations"]
+    assert annotations["apirctl.router"] == "true"
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"],
+            annotations["prometheus.io/path"]) == ("true", "8000", "/metrics")
+
+    yaml_file = tmp_path / "router.yaml"
+    yaml_file.write_text(done.stdout)
+    played = podman_remote(podman, "kube", "play", str(yaml_file))
+    try:
+        assert played.returncode == 0, played.stderr
+        assert wait_health(port) == "ok"
+        listed = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=30).json()
+        assert {entry["id"] for entry in listed["data"]} == {first, second}
+        for model in (first, second, first):  # each answers; --models-max 1: one loaded at a time
+            answer = apirctl("chat", "--url", f"http://127.0.0.1:{port}/v1", "--model", model, *ASK)
+            assert answer.returncode == 0 and answer.stdout.strip(), answer.stderr
+            found = states(port)
+            assert found[model] == "loaded" and [m for m, s in found.items() if s == "loaded"] == [model], found
+        # the scrape annotations name the port that serves each model's metrics; the router's own path
+        # wants the model named (docs/serve.md: a scrape job per model)
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", params={"model": first}, timeout=30)
+        assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
+        bare = httpx.get(f"http://127.0.0.1:{port}{annotations['prometheus.io/path']}", timeout=30)
+        assert bare.status_code == 400 and "model name is missing" in bare.text
+    finally:
+        podman_remote(podman, "kube", "down", str(yaml_file))
+
+
+@pytest.mark.integration
+def test_generate_quadlet_of_a_router_carries_every_model(
+        podman: str, llama_image: str, demo_model: Path, tmp_path: Path, name: str, port: int) -> None:
+    first, second = "first-model", "second-model"
+    paths = [named_copy(demo_model, tmp_path / f"{model}.gguf") for model in (first, second)]
+    done = apirctl("serve", *map(str, paths), "--transport", "none", "-p", str(port), "-n", name,
+                   "--idle-unload", "5m", "--generate", "quadlet")
+    assert done.returncode == 0, done.stderr
+    unit = done.stdout.splitlines()
+    assert not container_exists(name)
+    assert f"Description=apirctl llama-server: {first},{second}" in unit
+    assert {line for line in unit if line.startswith("Volume=")} == {
+        f"Volume={paths[0]}:/models/{first}/model.gguf:ro", f"Volume={paths[1]}:/models/{second}/model.gguf:ro"}
+    exec_line = next(line for line in unit if line.startswith("Exec="))
+    words = exec_line.removeprefix("Exec=").split()
+    assert words[:2] == ["--models-dir", "/models"] and "--model" not in words and "--metrics" in words
+    assert words[words.index("--sleep-idle-seconds"):][:2] == ["--sleep-idle-seconds", "300"]
+    assert {"Label=prometheus.io/scrape=true", "Label=prometheus.io/port=8000", "Label=prometheus.io/path=/metrics",
+            "Label=apirctl.router=true", f"PublishPort=127.0.0.1:{port}:8000"} <= set(unit)
+    generator = next((p for p in (Path("/usr/libexec/podman/quadlet"), Path("/usr/lib/podman/quadlet"))
+                      if p.exists()), None)
+    if generator is None:
+        return  # the content is checked; Podman before 4.4 has no quadlet generator to parse it
+    units = tmp_path / "units"
+    units.mkdir()
+    (units / f"{name}.container").write_text(done.stdout)
+    parsed = subprocess.run([str(generator), "-user", "-dryrun"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "QUADLET_UNIT_DIRS": str(units)}, check=False)
+    assert parsed.returncode == 0 and "podman run" in parsed.stdout, parsed.stderr
+    assert f"-v {paths[1]}:/models/{second}/model.gguf:ro" in parsed.stdout
+
+
+def test_generate_kube_mounts_a_models_dir_as_a_directory(tmp_path: Path) -> None:
+    from apirctl.podman.containers import BindMount, ContainerSpec
+    from apirctl.serve.units import kube
+
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    spec = ContainerSpec(image="img", name="n", command=["--models-dir", "/models"],
+                         mounts=[*starting._router_mounts(ModelSet(directory=tmp_path)),
+                                 BindMount(source=tmp_path / "a.gguf", target="/x/a.gguf")])
+    import yaml
+
+    pod = yaml.safe_load(kube(spec))
+    assert [v["hostPath"] for v in pod["spec"]["volumes"]] == [
+        {"path": str(tmp_path), "type": "Directory"}, {"path": str(tmp_path / "a.gguf"), "type": "File"}]
