@@ -377,7 +377,7 @@ def _print_stats(servers: list[Any], json_out: bool) -> None:
     header = ("NAME", "GEN T/S", "PROMPT T/S", "BUSY", "DEFERRED", "KV CACHE", "GENERATED", "PROMPT")
     rows = []
     for f in figures:
-        rows.append(_stats_row(f.name, f))
+        rows.append(_stats_row(f"{f.name} ({f.state})" if f.state else f.name, f))
         rows += [_stats_row(f"  {m.name} ({m.state})", m) for m in f.models]  # a router: each running model
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:

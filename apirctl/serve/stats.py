@@ -38,7 +38,7 @@ class ServerStats(BaseModel):
     kv_tokens: int | None = None  # tokens held in the slots' KV cache now
     kv_size: int | None = None  # the slots' context, in tokens
     problem: str | None = None
-    state: str | None = None  # a router's model: loaded, loading or sleeping
+    state: str | None = None  # a router's model: loaded, loading or sleeping; a one-model server: sleeping
     models: list[ServerStats] = Field(default_factory=list)  # a router: each model that is not unloaded
 
     @property
@@ -82,9 +82,20 @@ def collect(server: Server, api_key: str | None = None, timeout: float = 2.0) ->
         with httpx.Client(base_url=server.base, timeout=timeout, headers=headers) as client:
             if server.router:
                 return _router_stats(server, client)
-            return _read(client, server.name)
+            sleeping = _sleeping(client)  # --idle-unload: its slots are not asked, as that would load it again
+            found = _read(client, server.name, slots=not sleeping)
+            return found.model_copy(update={"state": "sleeping"}) if sleeping and not found.problem else found
     except httpx.HTTPError as exc:
         return ServerStats(name=server.name, problem=f"unreachable: {exc}")
+
+
+def _sleeping(client: httpx.Client) -> bool:
+    """Whether a one-model server is asleep (`--idle-unload`): its /props says so without waking it."""
+    props = client.get("/props")
+    try:
+        return props.status_code == 200 and props.json().get("is_sleeping") is True
+    except (ValueError, AttributeError):
+        return False
 
 
 #: A router's models that run a llama-server of their own (an unloaded one has no figures).

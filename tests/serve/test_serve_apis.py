@@ -102,3 +102,32 @@ def test_chat_speaks_the_messages_api(served: dict[str, object]) -> None:
     assert message["type"] == "message" and message["content"][0]["text"].strip() == anthropic_answer.stdout.strip()
     bad = apirctl("chat", "--api", "gemini", *args)
     assert bad.returncode != 0 and "unknown API 'gemini'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_ps_stats_leaves_a_sleeping_server_asleep(podman: str, llama_image: str, demo_model: Path, name: str,
+                                                  port: int) -> None:
+    """A server put to sleep by --idle-unload keeps its figures, and `ps --stats` does not load its model
+    again (its /slots would: they are not asked)."""
+    from tests.support.waiting import wait_for
+
+    done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
+                   "--idle-unload", "3s", "--json")
+    assert done.returncode == 0, done.stderr
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert apirctl("chat", "--url", f"{base}/v1", "Say hello.", "--max-tokens", "4").returncode == 0
+        awake = _stats(name)
+        assert awake["state"] is None and awake["kv_tokens"] > 0
+
+        def asleep() -> bool:
+            return httpx.get(f"{base}/props", timeout=10).json().get("is_sleeping") is True
+
+        wait_for("the server to sleep", asleep, timeout=60, interval=0.5)
+        shown = _stats(name)
+        assert shown["state"] == "sleeping" and shown["problem"] is None and shown["kv_tokens"] is None
+        assert shown["tokens_generated"] == awake["tokens_generated"] > 0
+        assert asleep(), "ps --stats woke it"
+        row = next(line for line in apirctl("ps", "--stats").stdout.splitlines() if line.startswith(name))
+        assert row.startswith(f"{name} (sleeping)")
+    finally:
+        apirctl("stop", name)
