@@ -130,7 +130,7 @@ def serve(
     models_max: int = typer.Option(
         None, "--models-max", metavar="N",
         help="Several models: how many stay loaded at once; a request for another unloads the least recently "
-        "used (0: no limit; default 4; rpc and virtgpu: 1, their backend serves one client).",
+        "used (0: no limit; default 4; rpc and virtgpu: 1, each model being a client of their one backend).",
     ),
     idle_unload: str = typer.Option(
         None, "--idle-unload", metavar="DURATION",

@@ -87,8 +87,9 @@ class Plan(BaseModel):
 
     @property
     def one_client(self) -> bool:
-        """Its backend serves one client at a time (ggml-rpc-server, apir-host, krunkit's device): a router
-        server (several models) keeps one model loaded, as each model is a client of its own."""
+        """A router server (several models) keeps one model loaded, as each model is a client of the
+        container's backend: ggml-rpc-server serves one client at a time; an apir-host serves a few at
+        once (the router's own process holds one), each a backend context of its own on the host."""
         return self.transport in ("rpc", "virtgpu")
 
     @property

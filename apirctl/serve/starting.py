@@ -210,23 +210,12 @@ def models_max(opts: ServeOptions, plan: Plan) -> tuple[int | None, str | None]:
     if not plan.one_client:
         return opts.models_max, None
     if opts.models_max not in (None, 1):
-        raise ApirctlError(f"--transport {plan.transport} keeps one model loaded at a time (its backend serves one "
-                           f"client), not --models-max {opts.models_max}",
+        raise ApirctlError(f"--transport {plan.transport} keeps one model loaded at a time, not --models-max "
+                           f"{opts.models_max}",
                            hint="leave --models-max out, or serve with --transport none or gpu")
-    return 1, (f"one model loaded at a time: the {plan.transport} backend serves one client, so a request "
-               "for another model unloads the loaded one")
-
-
-def _check_router_transport(opts: ServeOptions, plan: Plan) -> None:
-    """Refuse a router where no model of it could reach the backend: on Linux, llama-server's router
-    process itself registers the virtgpu frontend at start (its argument parsing asks whether the
-    backends can offload), which connects to the container's apir-host and holds it; the apir-host
-    serves one client at a time, so every model the router starts waits for it and fails to load."""
-    if opts.router and plan.apir_link == "socket":
-        raise ApirctlError("--transport virtgpu serves one model per container on Linux: llama-server's router "
-                           "holds the container's apir-host itself, which serves one client, so no model could load",
-                           hint="serve the models through one backend with --transport rpc, or each with "
-                           "`apirctl serve MODEL --transport virtgpu`")
+    why = ("the rpc backend serves one client" if plan.transport == "rpc" else
+           "each loaded model is a backend of its own on the host, beside the router's own connection")
+    return 1, f"one model loaded at a time: {why}, so a request for another model unloads the loaded one"
 
 
 def _router_command(opts: ServeOptions, plan: Plan) -> list[str]:
@@ -385,7 +374,6 @@ def _start_on_port(opts: ServeOptions, phase: ProgressFn, progress: ProgressFn |
         plan = transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
                               own_image=opts.image is not None)
         _one_virtgpu_at_a_time(plan)
-        _check_router_transport(opts, plan)
     phase("model")
     model: Served = resolve_models(opts) if opts.router else resolve_model(opts.model)
     api = containers.connect()

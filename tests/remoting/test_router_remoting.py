@@ -6,7 +6,8 @@ Real parts only: the host backend started as `machine restart --remoting` starts
 the demo model under two names. The backend serves one client at a time and each loaded model is a
 client of its own, so the router keeps one model loaded: a request for the other unloads the first,
 and the backend then serves the second (the same backend process, which is the proof that both went
-through it). Over `virtgpu` on Linux the router itself holds the apir-host, so serve refuses it in one line.
+through it). Over `virtgpu` on Linux the same holds with the container's apir-host, which serves the router's
+own connection beside the loaded model's.
 """
 
 from __future__ import annotations
@@ -118,25 +119,32 @@ def test_a_router_over_rpc_sends_both_models_through_its_one_backend(
     assert backends.get(instance.id) is None and not backends.alive(instance)
 
 
-def test_a_router_over_virtgpu_is_refused_in_one_line_before_anything_is_made(
+def test_a_router_over_virtgpu_sends_both_models_through_its_apir_host(
         with_build: Any, llama_image: str, demo_model: Path, tmp_path: Path, name: str) -> None:
-    """Why: the router process itself registers the virtgpu frontend when it parses its arguments,
-    connects to the apir-host and holds it, and the apir-host serves one client at a time, so each model
-    the router starts times out in its handshake (seen: "virtgpu_handshake: failed to initiate the
-    communication", "model name=... failed to load"). One model per container works (test_apir_transport)."""
+    """The router process itself registers the virtgpu frontend when it parses its arguments, connects
+    to the container's apir-host and keeps the connection; the apir-host serves a few clients at once,
+    each in a child of its own, so each model the router starts is a second client beside it."""
     assert apir_hosts.host_problem(with_build) is None, "the pinned build has apir-host and the backend library"
-    done = cli("serve", str(named_copy(demo_model, tmp_path / f"{FIRST}.gguf")),
-               str(named_copy(demo_model, tmp_path / f"{SECOND}.gguf")), "--transport", "virtgpu",
-               "-p", str(free_port()), "-n", name)
-    assert done.returncode == 1 and "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert lines[0].startswith("apirctl: error: --transport virtgpu serves one model per container on Linux")
-    assert lines[1].startswith("hint: ") and "--transport rpc" in lines[1] and len(lines) == 2, lines
-    assert apir_hosts.hosts() == [] and not engine.client().containers.exists(name)
-    # one model over virtgpu is not refused by it: the check is the router's
-    from apirctl.remoting import transport
-    from apirctl.serve import inputs, starting
+    port = free_port()
+    server = serve_two(demo_model, tmp_path, name, port, "virtgpu")
+    assert server["transport"] == "virtgpu"
+    labels = containers.connect().inspect(server["id"])["Config"]["Labels"]
+    host = apir_hosts.get(labels["apirctl.apir-host"])
+    assert host is not None and host.container == server["id"] and apir_hosts.alive(host)
+    pid = apir_hosts.current_pid(host)
 
-    plan = transport.plan("virtgpu")
-    assert plan.apir_link == "socket"
-    starting._check_router_transport(inputs.ServeOptions(model="a"), plan)
+    texts = both_answer_in_turn(port, name)
+    assert texts[0] == texts[1] == texts[2], texts
+    # the same apir-host all along; each model's llama-server was a client of its own (a child of the
+    # host that loaded the backend library), and each left when the router unloaded its model
+    after = apir_hosts.get(host.id)
+    assert after is not None and apir_hosts.current_pid(after) == pid and apir_hosts.alive(after)
+    # two clients now: the router's own connection and the loaded model's, a child of the host each
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    assert len(children) == 2, children
+    log = Path(host.log).read_text(errors="replace")
+    assert log.count("client disconnected") == 2, log[-3000:]  # the first two loads, unloaded
+    assert "crashed" not in log and "refused" not in log, log[-3000:]
+
+    assert cli("stop", name).returncode == 0
+    assert apir_hosts.get(host.id) is None
