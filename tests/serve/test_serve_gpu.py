@@ -89,6 +89,40 @@ def test_the_container_gets_the_cdi_device_its_env_and_mounts(podman: str, llama
         assert apirctl("stop", name).returncode == 0
 
 
+def test_a_router_hands_its_cdi_device_to_every_model(podman: str, llama_image: str, demo_model: Path, name: str,
+                                                     port: int, cdi_device: dict[str, str], tmp_path: Path) -> None:
+    """Several models over passthrough: the router's container gets the device, and each model's
+    llama-server (a child of the router, in the same container) runs with it and answers."""
+    import httpx
+
+    from tests.serve.test_serve_router import named_copy
+
+    models = [named_copy(demo_model, tmp_path / f"{model}.gguf") for model in ("first-model", "second-model")]
+    done = apirctl("serve", *map(str, models), "--gpu-device", cdi_device["name"], "--image", llama_image,
+                   "--port", str(port), "--name", name, "--json")
+    assert done.returncode == 0, done.stderr
+    server = json.loads(done.stdout)
+    assert server["transport"] == "gpu" and server["router"] is True
+    try:
+        for model in ("first-model", "second-model"):
+            reply = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=300,
+                               json={"model": model, "messages": [{"role": "user", "content": "Say hi."}],
+                                     "max_tokens": 4, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            # the model's own llama-server: a child of the router, with the device in its view
+            router = _container_pid(name)  # its children are listed under the thread that started each
+            children = [c for task in Path(f"/proc/{router}/task").iterdir()
+                        for c in (task / "children").read_text().split()]
+            assert children, "the router started no model"
+            for child in children:
+                node = os.stat(Path(f"/proc/{child}/root") / cdi_device["node"].lstrip("/"))
+                assert stat.S_ISCHR(node.st_mode)
+                assert f"APIRCTL_CDI_TEST={cdi_device['ident']}".encode() in \
+                    Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+    finally:
+        assert apirctl("stop", name).returncode == 0
+
+
 def test_a_device_without_a_spec_is_one_clear_error(podman: str, llama_image: str, demo_model: Path, name: str,
                                                     port: int, cdi_device: dict[str, str]) -> None:
     missing = f"{KIND}=absent-{uuid.uuid4().hex[:6]}"
