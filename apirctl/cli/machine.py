@@ -60,7 +60,7 @@ def status(
     """Report the remoting state precisely; the exit code is the state code."""
     from apirctl.remoting import machines
 
-    result = machines.current().status(name)
+    result = machines.current().status(name, gpu_memory=True)
     _print(result, json_out)
     raise typer.Exit(int(result.state))
 

@@ -59,7 +59,10 @@ class RestartOptions(BaseModel):
 class Platform(Protocol):
     """What `apirctl machine` drives; `apirctl.remoting.machines.current()` gives this host's."""
 
-    def status(self, name: str | None = None) -> MachineStatus: ...
+    def status(self, name: str | None = None, *, gpu_memory: bool = False) -> MachineStatus:
+        """The state; with `gpu_memory`, what each container's backend holds of the GPU (asks the driver's
+        tool: `machine status` wants it, serve's planning does not)."""
+        ...
 
     def restart(self, options: RestartOptions, progress: Callable[[str], None] | None = None) -> MachineStatus:
         """`progress(step)` is told each step as it starts (`apirctl machine restart` shows them)."""

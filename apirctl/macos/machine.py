@@ -153,8 +153,9 @@ def _st(state: MachineState, summary: str, next_step: str | None = None, **detai
 INIT_HINT = "CONTAINERS_MACHINE_PROVIDER=libkrun podman machine init"
 
 
-def status(name: str | None = None) -> MachineStatus:
-    """The remoting state, precisely, with the next step to take."""
+def status(name: str | None = None, *, gpu_memory: bool = False) -> MachineStatus:
+    """The remoting state, precisely, with the next step to take (`gpu_memory` adds nothing here: the
+    VM's one device is krunkit's, not a backend per container)."""
     machine_name = name or DEFAULT_MACHINE
     if shutil.which("podman") is None:
         return _st(MachineState.NOT_INSTALLED, "podman is not installed",

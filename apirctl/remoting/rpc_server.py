@@ -404,7 +404,7 @@ def _where(record: BackendRecord) -> dict[str, Any]:
     return {"transport": "tcp", "host": record.host, "port": record.port}
 
 
-def status(name: str | None = None) -> MachineStatus:
+def status(name: str | None = None, *, gpu_memory: bool = False) -> MachineStatus:
     """Not installed (127) / not running (11) / ready (0) / serving (1), with the facts."""
     build, problem = _find_build()
     if problem:
@@ -412,9 +412,9 @@ def status(name: str | None = None) -> MachineStatus:
     record = read_record()
     # Podman is asked only when there is something to match (serve's `auto` asks this on its hot path)
     found = _listing() if record is not None or backends.instances() or apir_hosts.hosts() else []
-    # each container's backend is a GPU context of its own: what each holds (nothing asked on a host
-    # without the NVIDIA driver's tool, or without backends)
-    gpu = nvidia.memory_by_process() if backends.instances() or apir_hosts.hosts() else {}
+    # each container's backend is a GPU context of its own: what each holds, when asked (the driver's
+    # tool takes tens of milliseconds; serve's planning reads this status too)
+    gpu = nvidia.memory_by_process() if gpu_memory and (backends.instances() or apir_hosts.hosts()) else {}
     own = own_backends(found, gpu) or None
     apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found, gpu) or None}
     if record is None:  # APIR servers do not need it: each has its apir-host (say so, they are not in trouble)
