@@ -44,6 +44,10 @@ results.json is rewritten after every step, so a cut-off run still reports):
    files, `--podman-debs`, unpacked under --work), the GPU handed over by a CDI spec that apirctl's
    generator (`apirctl gpu cdi`) writes; llama-bench in the container against native, alternated, and
    one llama-server in the container answering a completion over loopback.
+11. `serving` and `multi` (issue 24, in benchmarks/gpu_serving.py): llama-server under streamed load at
+   concurrency 1, 8 and 32, natively and over each remoting path from the container's network namespace;
+   and N servers at once (1, 2, 4), native processes against remoting clients with a backend each, over
+   one common window, time-sliced and (`--mps`) under CUDA MPS.
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -247,6 +251,8 @@ class Runner:
     def executables(self) -> list[str]:
         """The programs the parts asked for need (`passthrough`: those apirctl's image carries)."""
         names = ["llama-bench", "ggml-rpc-server", "apir-host"]
+        if {"serving", "multi"} & set(self.args.parts):
+            names.append("llama-server")
         if "passthrough" in self.args.parts:
             from gpu_passthrough import image_executables
 
@@ -1023,6 +1029,15 @@ class Runner:
         for shape in self.args.shapes:
             if "load" in parts:
                 self.step(f"{shape}/load", self.load_times, shape, need=40)
+        if {"serving", "multi"} & parts:
+            from gpu_serving import Serving
+
+            serving = Serving(self)
+            for shape in self.args.shapes:
+                if "serving" in parts:
+                    self.step(f"{shape}/serving", serving.serving, shape, need=60)
+                if "multi" in parts:
+                    serving.multi(shape)
         if "apir" in parts:
             table = self.apir_table()
             (self.out / "apir-table.txt").write_text(table + "\n")
@@ -1058,8 +1073,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
                     help="which measurements to run, after the build: hotpath, shared, rings, transport, apir, core, "
-                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough")
+                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough, serving, multi")
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
+    ap.add_argument("--serving-seconds", type=float, default=30.0, help="`serving`/`multi`: seconds per row")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="`serving`: streams per level")
+    ap.add_argument("--serving-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir"],
+                    help="`serving`: the remoting rows beside native")
+    ap.add_argument("--multi-counts", type=int, nargs="+", default=[1, 2, 4], help="`multi`: servers at once")
+    ap.add_argument("--mps", choices=["off", "on", "both"], default="off",
+                    help="`multi`: time-sliced (off), under CUDA MPS (on), or both in turn")
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0",
                     help="the device ggml-rpc-server serves; CPU: apir-host serves libggml-cpu, not libggml-cuda")

@@ -1,0 +1,334 @@
+"""The `serving` and `multi` parts of gpu_remoting.py (issue 24): llama-server under load, as users serve.
+
+`serving`: the same llama-server (the build's, 32 slots, one context size) natively on the host, and as
+a container runs it over each remoting path: its GPU hidden, in the harness's network namespace (no route
+but a veth pair, as a bridge-networked container; its HTTP port is reached over that pair), with its
+backend over shared memory (`--rpc unix:...`: `serve --transport rpc`) or through apir-host
+(`--transport virtgpu`). All servers are loaded and warmed before the first clock starts. Then, for each
+concurrency (1, 8, 32), the rows run in turn, native first and again last, each for `--serving-seconds`:
+`concurrency` streams that each send a request (a prompt of about 128 tokens that no earlier request
+shares, 128 tokens generated, end-of-sequence ignored), and another when one ends. Counted over the
+row's window: generated tokens per second (every streamed token that arrived in it), time to first token
+of the requests that started in it (p50, p95), finished requests and errors. Each remoting row is
+reported over the mean of the native rows around it.
+
+`multi`: N servers at once (N = 1, 2, 4; one slot each), each its own process with its own CUDA
+context, natively; then N remoting clients each with its own ggml-rpc-server (one backend per
+container, as `machine restart --remoting` runs them); in turn, native, remoting, native. Every server is
+loaded and warmed before the clock starts, and the aggregate counts every server's tokens over one
+common window. With `--mps on` (or `both`), the same under CUDA MPS (its control daemon started for the part
+and stopped after it), which lets several processes' kernels run on the GPU at once instead of
+time-slicing between contexts.
+
+The load generator is the standard library's (threads and http.client, streaming llama-server's
+/completion), so that nothing more has to be carried to the GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpu_remoting import Runner
+
+#: Ports of the servers: natives on loopback from NATIVE_PORT, clients in the namespace from CLIENT_PORT.
+NATIVE_PORT = 18500
+CLIENT_PORT = 18600
+PROMPT_WORDS = ("the", "river", "carries", "light", "past", "quiet", "fields", "while", "birds", "count", "slow",
+                "clouds", "over", "green", "hills", "and", "old", "roads", "bend", "toward", "a", "small", "town",
+                "where", "people", "share", "bread", "and", "stories")
+SLOTS = 32
+PROMPT_TOKENS = 128
+GEN_TOKENS = 128
+MPS_DIRS = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/apirc-mps-pipe", "CUDA_MPS_LOG_DIRECTORY": "/tmp/apirc-mps-log"}
+
+
+def prompt(number: int) -> str:
+    """About PROMPT_TOKENS tokens, opening with a number no other request has (no shared prefix to reuse)."""
+    words = [PROMPT_WORDS[(number + i) % len(PROMPT_WORDS)] for i in range(PROMPT_TOKENS - 8)]
+    return f"Request {number}. Continue this text: " + " ".join(words)
+
+
+@dataclass
+class Window:
+    """What the streams of one row saw between `start` and `end` (monotonic seconds)."""
+
+    start: float
+    end: float
+    tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    finished: int = 0
+    errors: int = 0
+    error_text: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def as_dict(self) -> dict:
+        ttft = sorted(self.ttft_s)
+
+        def pct(q: float) -> float | None:
+            return round(ttft[min(len(ttft) - 1, int(q * len(ttft)))] * 1e3, 1) if ttft else None
+
+        seconds = self.end - self.start
+        return {"tokens_per_s": round(self.tokens / seconds, 2), "tokens": self.tokens, "seconds": round(seconds, 2),
+                "ttft_p50_ms": pct(0.5), "ttft_p95_ms": pct(0.95), "requests_started": len(ttft),
+                "requests_finished": self.finished, "errors": self.errors, "first_error": self.error_text[:200]}
+
+
+class Streams:
+    """`per_server` streams against each (host, port), all over the same window."""
+
+    def __init__(self, servers: list[tuple[str, int]], per_server: int, seconds: float) -> None:
+        self.servers = servers
+        self.per_server = per_server
+        self.seconds = seconds
+        self.counter = 0
+        self.counter_lock = threading.Lock()
+
+    def next_number(self) -> int:
+        with self.counter_lock:
+            self.counter += 1
+            return self.counter
+
+    def run(self) -> Window:
+        begin = time.monotonic() + 0.5  # every thread started before the clock
+        window = Window(begin, begin + self.seconds)
+        threads = [threading.Thread(target=self.stream, args=(host, port, window), daemon=True)
+                   for host, port in self.servers for _ in range(self.per_server)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(self.seconds + 120)
+        return window
+
+    def stream(self, host: str, port: int, window: Window) -> None:
+        time.sleep(max(0.0, window.start - time.monotonic()))
+        while time.monotonic() < window.end:
+            self.request(host, port, window)
+
+    def request(self, host: str, port: int, window: Window) -> None:
+        body = json.dumps({"prompt": prompt(self.next_number()), "n_predict": GEN_TOKENS, "stream": True,
+                           "ignore_eos": True, "temperature": 0.0}).encode()
+        conn = http.client.HTTPConnection(host, port, timeout=120)
+        sent = time.monotonic()
+        first = True
+        tokens = 0
+        try:
+            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise RuntimeError(f"HTTP {resp.status}: {resp.read(200)!r}")
+            for raw in resp:
+                now = time.monotonic()
+                if now >= window.end:
+                    return  # closing the connection cancels the request on the server
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("stop"):
+                    with window.lock:
+                        window.finished += 1
+                    return
+                if first and sent >= window.start:
+                    with window.lock:
+                        window.ttft_s.append(now - sent)
+                first = False
+                tokens += 1
+                if now >= window.start:
+                    with window.lock:
+                        window.tokens += 1
+        except Exception as exc:  # noqa: BLE001 - one failed request is counted, not fatal
+            with window.lock:
+                window.errors += 1
+                window.error_text = window.error_text or f"{type(exc).__name__}: {exc}"
+            time.sleep(0.2)
+        finally:
+            conn.close()
+
+
+class Serving:
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.results = runner.results.setdefault("serving", {})
+        self.seconds: float = runner.args.serving_seconds
+
+    # -- servers ------------------------------------------------------------------------
+    def wait_ready(self, proc: subprocess.Popen[bytes], host: str, port: int, log: str, timeout: float = 240) -> None:
+        until = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode} (see {log})")
+            with contextlib.suppress(OSError, http.client.HTTPException):
+                conn = http.client.HTTPConnection(host, port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            if time.monotonic() > until:
+                raise RuntimeError(f"llama-server on {host}:{port} not ready in {timeout:.0f} s (see {log})")
+            time.sleep(0.25)
+
+    @contextlib.contextmanager
+    def llama_server(self, shape: str, name: str, host: str, port: int, slots: int, extra: list[str],
+                     env: dict[str, str] | None = None, prefix: list[str] | None = None) -> Iterator[tuple[str, int]]:
+        r = self.runner
+        ctx = slots * (PROMPT_TOKENS + GEN_TOKENS + 64)
+        cmd = [*(prefix or []), str(r.bin / "llama-server"), "-m", str(r.models[shape]), "-ngl", "99",
+               "--host", host, "--port", str(port), "-np", str(slots), "-c", str(ctx), "--no-webui", *extra]
+        cmd += r.cpu_threads()
+        log = f"llama-server-{name}.log"
+        fh = (r.logs / log).open("a")
+        fh.write(f"$ {' '.join(cmd)}\n")
+        fh.flush()
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ) | (env or {}))
+        try:
+            self.wait_ready(proc, host, port, log)
+            Streams([(host, port)], 1, 3.0).run()  # warm: the first requests build graphs and caches
+            yield host, port
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server {name} exited {proc.returncode} during the run (see {log})")
+        finally:
+            from gpu_remoting import stop
+
+            stop(proc)
+            fh.close()
+
+    def namespace(self) -> list[str]:
+        """The harness's veth namespace (made here if the `veth` part did not): the container's network."""
+        from gpu_remoting import NS
+
+        r = self.runner
+        if not r.results["steps"].get("veth", "").startswith("ok"):
+            r.step("veth", r.setup_veth, need=0)
+        return ["nsenter", f"--net=/var/run/netns/{NS}"]
+
+    @contextlib.contextmanager
+    def rpc_client(self, shape: str, name: str, index: int, slots: int) -> Iterator[tuple[str, int]]:
+        """A client llama-server in the namespace over its own ggml-rpc-server on shared memory."""
+        from gpu_remoting import NO_GPU, VETH_NS
+
+        r = self.runner
+        unix = f"unix:{r.work / f'serve-{index}.sock'}"
+        with (r.server(unix, log_name=f"rpc-server-{name}.log"),
+              self.llama_server(shape, name, VETH_NS, CLIENT_PORT + index, slots, ["--rpc", unix], NO_GPU,
+                                self.namespace()) as addr):
+            yield addr
+
+    @contextlib.contextmanager
+    def apir_client(self, shape: str, name: str, index: int, slots: int) -> Iterator[tuple[str, int]]:
+        from gpu_remoting import NO_GPU, VETH_NS
+
+        r = self.runner
+        with r.apir_host(r.logs / f"serving-{name}.trace", log_name=f"apir-host-{name}.log") as sock:
+            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}
+            device = r.virtgpu_device(env)
+            with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + index, slots, ["-dev", device], env,
+                                   self.namespace()) as addr:
+                yield addr
+
+    # -- serving ------------------------------------------------------------------------
+    def serving(self, shape: str) -> None:
+        r = self.runner
+        entry = self.results.setdefault(shape, {"levels": {}})
+        entry["setup"] = {"slots": SLOTS, "prompt_tokens": PROMPT_TOKENS, "gen_tokens": GEN_TOKENS,
+                          "seconds": self.seconds, "rows": ["native", *r.args.serving_paths, "native_after"]}
+        with contextlib.ExitStack() as stack:
+            t0 = time.monotonic()
+            servers = {"native": stack.enter_context(
+                self.llama_server(shape, f"{shape}-native", "127.0.0.1", NATIVE_PORT, SLOTS, []))}
+            for i, path in enumerate(r.args.serving_paths):
+                make = {"rpc": self.rpc_client, "apir": self.apir_client}[path]
+                servers[path] = stack.enter_context(make(shape, f"{shape}-{path}", i, SLOTS))
+            entry["load_s"] = round(time.monotonic() - t0, 1)
+            r.log(f"{shape} serving: {len(servers)} servers loaded in {entry['load_s']} s")
+            for level in r.args.concurrency:
+                if r.left() < self.seconds * (len(servers) + 1) + 20:
+                    r.log(f"skip {shape} serving c{level}: {r.left():.0f}s left")
+                    break
+                rows: dict[str, dict] = {}
+                order = ["native", *r.args.serving_paths, "native"]
+                for n, key in enumerate(order):
+                    window = Streams([servers[key]], level, self.seconds).run()
+                    rows[key if n == 0 or key != "native" else "native_after"] = window.as_dict()
+                natives = [rows[k]["tokens_per_s"] for k in ("native", "native_after")]
+                native_ttft = [rows[k]["ttft_p50_ms"] for k in ("native", "native_after") if rows[k]["ttft_p50_ms"]]
+                base = statistics.mean(natives)
+                for key in r.args.serving_paths:
+                    rows[key]["ratio"] = round(rows[key]["tokens_per_s"] / base, 3) if base else None
+                    ttft = rows[key]["ttft_p50_ms"]
+                    rows[key]["ttft_p50_ratio"] = (round(ttft / statistics.mean(native_ttft), 3)
+                                                   if ttft and native_ttft else None)
+                entry["levels"][str(level)] = rows
+                r.save()
+                cells = ", ".join(f"{k} {v['tokens_per_s']:.1f} t/s ttft {v['ttft_p50_ms']} ms"
+                                  + (f" ({v['ratio']:.3f})" if "ratio" in v else "") for k, v in rows.items())
+                r.log(f"{shape} serving c{level}: {cells}")
+
+    # -- several containers on one GPU -----------------------------------------------------
+    def multi(self, shape: str) -> None:
+        r = self.runner
+        modes = {"off": [False], "on": [True], "both": [False, True]}[r.args.mps]
+        for mps in modes:
+            key = "mps" if mps else "time_sliced"
+            with self.mps(mps):
+                for count in r.args.multi_counts:
+                    need = 3 * self.seconds + 30 * count
+                    if r.left() < need:
+                        r.log(f"skip {shape} multi {key} x{count}: {r.left():.0f}s left")
+                        continue
+                    r.step(f"{shape}/multi-{key}-x{count}", self.multi_point, shape, key, count, need=need)
+
+    def multi_point(self, shape: str, key: str, count: int) -> None:
+        r = self.runner
+        with contextlib.ExitStack() as stack:
+            natives = [stack.enter_context(self.llama_server(shape, f"{shape}-multi-native-{i}", "127.0.0.1",
+                                                             NATIVE_PORT + 1 + i, 1, [])) for i in range(count)]
+            remotes = [stack.enter_context(self.rpc_client(shape, f"{shape}-multi-rpc-{i}", 1 + i, 1))
+                       for i in range(count)]
+            rows = {"native": Streams(natives, 1, self.seconds).run().as_dict(),
+                    "rpc": Streams(remotes, 1, self.seconds).run().as_dict(),
+                    "native_after": Streams(natives, 1, self.seconds).run().as_dict()}
+        base = statistics.mean([rows["native"]["tokens_per_s"], rows["native_after"]["tokens_per_s"]])
+        rows["rpc"]["ratio"] = round(rows["rpc"]["tokens_per_s"] / base, 3) if base else None
+        self.results.setdefault(shape, {}).setdefault("multi", {}).setdefault(key, {})[str(count)] = rows
+        r.save()
+        r.log(f"{shape} multi {key} x{count}: native {rows['native']['tokens_per_s']:.1f} / "
+              f"{rows['native_after']['tokens_per_s']:.1f} t/s, rpc {rows['rpc']['tokens_per_s']:.1f} t/s "
+              f"({rows['rpc']['ratio']})")
+
+    @contextlib.contextmanager
+    def mps(self, on: bool) -> Iterator[None]:
+        """CUDA MPS's control daemon for the servers started inside (they find it by MPS_DIRS)."""
+        if not on:
+            yield
+            return
+        control = shutil.which("nvidia-cuda-mps-control")
+        if control is None:
+            raise RuntimeError("nvidia-cuda-mps-control is not on PATH")
+        for folder in MPS_DIRS.values():
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ) | MPS_DIRS
+        subprocess.run([control, "-d"], env=env, check=True)
+        saved = {k: os.environ.get(k) for k in MPS_DIRS}
+        os.environ.update(MPS_DIRS)  # every server started from here on finds the daemon
+        self.runner.results.setdefault("env", {})["mps"] = "started"
+        try:
+            yield
+        finally:
+            subprocess.run([control], input="quit\n", text=True, env=env, check=False)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
