@@ -4,6 +4,14 @@ They are numbered from 256, outside the generated table, so that `table` and the
 generates stay upstream's. An upstream library answers them with FORWARD_INDEX_INVALID, and the
 frontend then keeps to the upstream calls.
 
+EXT_GET_FEATURES negotiates: the request carries the features the frontend would use (u64; a
+frontend from before sends nothing and is granted FEATURE_GRAPH_RUN), the reply those the host
+grants. A host from before the request carried them ignores it and answers every feature it has,
+so the frontend keeps only those it asked for. FEATURE_WIDE_TENSORS, once granted, makes every
+tensor record of the client `apir_rpc_tensor_wide` (`tensor.RpcTensorWideC`) and every write record
+`WRITE_SIZE_WIDE` bytes; it is granted only to a frontend that asks, so upstream's frontend and an
+older one keep the narrow records.
+
 EXT_GRAPH_RUN is a generated token's whole exchange in one call: the writes of its inputs, the
 graph (sent once, then named by the client's id), and its outputs copied into shared memory.
 """
@@ -12,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apirctl.apir.tensor import RPC_TENSOR_SIZE, RpcTensor, encode_rpc_tensor
+from apirctl.apir.tensor import RPC_TENSOR_SIZE, RPC_TENSOR_WIDE_SIZE, RpcTensor, encode_rpc_tensor
 from apirctl.apir.wire import Decoder, Encoder
 
 GET_FEATURES = 256
@@ -20,6 +28,9 @@ GRAPH_RUN = 257
 NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run"}
 
 FEATURE_GRAPH_RUN = 1 << 0
+FEATURE_WIDE_TENSORS = 1 << 1
+#: what this library's host grants when asked
+FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS
 
 RESULT_DONE = 0
 RESULT_UNKNOWN_GRAPH = 1
@@ -30,6 +41,12 @@ MAX_OUTPUTS = 16
 
 #: struct apir_graph_run_write: u64 buffer, apir_rpc_tensor, u64 offset, u64 size, u64 data_offset
 WRITE_SIZE = 8 + RPC_TENSOR_SIZE + 24
+#: struct apir_graph_run_write_wide: the same with apir_rpc_tensor_wide
+WRITE_SIZE_WIDE = 8 + RPC_TENSOR_WIDE_SIZE + 24
+
+
+def write_size(wide: bool) -> int:
+    return WRITE_SIZE_WIDE if wide else WRITE_SIZE
 
 
 @dataclass(frozen=True)
@@ -43,12 +60,12 @@ class Write:
     data_offset: int
 
 
-def encode_writes(writes: tuple[Write, ...] | list[Write]) -> bytes:
-    """The writes' records as the host reads them from shared memory."""
+def encode_writes(writes: tuple[Write, ...] | list[Write], wide: bool = False) -> bytes:
+    """The writes' records as the host reads them from shared memory (`wide`: once granted)."""
     enc = Encoder()
     for w in writes:
         enc.u64(w.buffer)
-        encode_rpc_tensor(enc, w.tensor)
+        encode_rpc_tensor(enc, w.tensor, wide)
         enc.u64(w.offset)
         enc.u64(w.size)
         enc.u64(w.data_offset)
@@ -111,5 +128,25 @@ def decode_graph_run_reply(data: bytes | memoryview) -> tuple[int, int]:
     return dec.u32(), dec.i32()
 
 
+def encode_features_request(wanted: int) -> bytes:
+    """EXT_GET_FEATURES's request: the features the frontend would use."""
+    enc = Encoder()
+    enc.u64(wanted)
+    return enc.getvalue()
+
+
+def decode_features_request(data: bytes | memoryview) -> int | None:
+    """The features asked for; None for a request of a frontend from before them (no bytes)."""
+    if len(data) == 0:
+        return None
+    return Decoder(data).u64()
+
+
 def decode_features(data: bytes | memoryview) -> int:
     return Decoder(data).u64()
+
+
+def granted(wanted: int, answered: int) -> int:
+    """What the frontend uses of the host's answer: a host from before the request carried the wanted
+    features ignores it and answers all it has."""
+    return wanted & answered

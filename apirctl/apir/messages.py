@@ -30,7 +30,7 @@ def _function(fn: Function | str) -> Function:
     return table.by_name(fn) if isinstance(fn, str) else fn
 
 
-def encode_field(enc: Encoder, f: Field, value: Any) -> None:
+def encode_field(enc: Encoder, f: Field, value: Any, wide: bool = False) -> None:
     k = f.kind
     if k is Kind.I32 or k is Kind.STATUS:
         enc.i32(int(value))
@@ -47,7 +47,7 @@ def encode_field(enc: Encoder, f: Field, value: Any) -> None:
     elif k is Kind.RPC_TENSOR:
         if not isinstance(value, RpcTensor):
             value = value.to_rpc()
-        encode_rpc_tensor(enc, value)
+        encode_rpc_tensor(enc, value, wide)
     elif k is Kind.INLINE_TENSOR:
         if not isinstance(value, Tensor):
             raise TypeError(f"{f.name}: an inline tensor must be a tensor.Tensor")
@@ -56,7 +56,7 @@ def encode_field(enc: Encoder, f: Field, value: Any) -> None:
         raise AssertionError(k)
 
 
-def decode_field(dec: Decoder, f: Field) -> Any:
+def decode_field(dec: Decoder, f: Field, wide: bool = False) -> Any:
     k = f.kind
     if k is Kind.I32 or k is Kind.STATUS:
         return dec.i32()
@@ -71,39 +71,41 @@ def decode_field(dec: Decoder, f: Field) -> Any:
     if k is Kind.STRING:
         return dec.string()
     if k is Kind.RPC_TENSOR:
-        return decode_rpc_tensor(dec)
+        return decode_rpc_tensor(dec, wide)
     if k is Kind.INLINE_TENSOR:
         return decode_inline_tensor(dec)
     raise AssertionError(k)  # pragma: no cover
 
 
-def _encode(fields: tuple[Field, ...], values: Values) -> bytes:
+def _encode(fields: tuple[Field, ...], values: Values, wide: bool = False) -> bytes:
     missing = [f.name for f in fields if f.name not in values]
     extra = set(values) - {f.name for f in fields}
     if missing or extra:
         raise ValueError(f"fields missing: {missing}, unknown: {sorted(extra)}")
     enc = Encoder()
     for f in fields:
-        encode_field(enc, f, values[f.name])
+        encode_field(enc, f, values[f.name], wide)
     return enc.getvalue()
 
 
-def _decode(fields: tuple[Field, ...], data: bytes | memoryview, strict: bool, exact: bool) -> Values:
+def _decode(fields: tuple[Field, ...], data: bytes | memoryview, strict: bool, exact: bool,
+            wide: bool = False) -> Values:
     dec = Decoder(data, strict=strict)
-    out = {f.name: decode_field(dec, f) for f in fields}
+    out = {f.name: decode_field(dec, f, wide) for f in fields}
     if exact and dec.remaining and strict:
         raise ApirDecodeError(f"{dec.remaining} bytes left after the last field", dec.pos)
     return out
 
 
-def encode_request(fn: Function | str, **values: Any) -> bytes:
-    """The function's own fields (what follows the command header)."""
-    return _encode(_function(fn).request, values)
+def encode_request(fn: Function | str, *, wide: bool = False, **values: Any) -> bytes:
+    """The function's own fields (what follows the command header); `wide`: its tensors as
+    `apir_rpc_tensor_wide`, once the host granted `extensions.FEATURE_WIDE_TENSORS`."""
+    return _encode(_function(fn).request, values, wide)
 
 
 def decode_request(fn: Function | str, data: bytes | memoryview, strict: bool = True,
-                   exact: bool = False) -> Values:
-    return _decode(_function(fn).request, data, strict, exact)
+                   exact: bool = False, wide: bool = False) -> Values:
+    return _decode(_function(fn).request, data, strict, exact, wide)
 
 
 def encode_reply(fn: Function | str, **values: Any) -> bytes:
@@ -127,11 +129,12 @@ def encode_command(command: protocol.CommandType, flags: int, reply_res_id: int,
     return enc.getvalue()
 
 
-def encode_forward(fn: Function | str, reply_res_id: int, venus_shift: bool = False, **values: Any) -> bytes:
+def encode_forward(fn: Function | str, reply_res_id: int, venus_shift: bool = False, *, wide: bool = False,
+                   **values: Any) -> bytes:
     """A whole FORWARD command, as the frontend hands it to the execbuffer ioctl."""
     f = _function(fn)
     return encode_command(protocol.CommandType.FORWARD, f.index, reply_res_id, venus_shift) + \
-        encode_request(f, **values)
+        encode_request(f, wide=wide, **values)
 
 
 def decode_command(data: bytes | memoryview) -> tuple[int, int, int, memoryview]:

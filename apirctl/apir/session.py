@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from apirctl.apir import messages, protocol, table
+from apirctl.apir import extensions, messages, protocol, table
 from apirctl.apir.child import read_frame, write_frame
 from apirctl.apir.wire import Decoder
 
@@ -69,6 +69,8 @@ class BackendProcess:
             [sys.executable, "-m", "apirctl.apir.child"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env=env)
         self._next_res = 100
+        #: the library granted extensions.FEATURE_WIDE_TENSORS (`negotiate`): `call` sends wide records
+        self.wide_tensors = False
 
     def __enter__(self) -> BackendProcess:
         return self
@@ -165,11 +167,29 @@ class BackendProcess:
         head, body = self._call(label, header, request)
         return int(head["ret"]), body, [int(t) for t in head["times_ns"]], int(head.get("overrun", 0))
 
+    def negotiate(self, wanted: int | None) -> int | None:
+        """EXT_GET_FEATURES asking for `wanted` (None: the empty request of a frontend from before the
+        negotiation). The features granted, as a frontend keeps them; None when the library lacks the
+        command (upstream's). From then on `call` sends tensors in the width granted."""
+        request = b"" if wanted is None else extensions.encode_features_request(wanted)
+        ret, reply, _ = self.dispatch_raw(extensions.GET_FEATURES, request, name="ext_get_features")
+        if ret == protocol.FORWARD_INDEX_INVALID:
+            self.wide_tensors = False
+            return None
+        if ret != 0:
+            raise CallFailed("ext_get_features", ret)
+        granted = extensions.decode_features(reply)
+        if wanted is not None:
+            granted = extensions.granted(wanted, granted)
+        self.wide_tensors = bool(granted & extensions.FEATURE_WIDE_TENSORS)
+        return granted
+
     def call(self, fn: table.Function | str, repeat: int = 1, **values: Any,
              ) -> tuple[dict[str, Any], list[int]]:
         """Encode a request, forward it, check the return code, decode the reply."""
         f = table.by_name(fn) if isinstance(fn, str) else fn
-        ret, reply, times = self.dispatch_raw(f.index, messages.encode_request(f, **values), repeat, f.qualname)
+        request = messages.encode_request(f, wide=self.wide_tensors, **values)
+        ret, reply, times = self.dispatch_raw(f.index, request, repeat, f.qualname)
         if ret != 0:
             raise CallFailed(f.qualname, ret)
         dec = Decoder(reply)

@@ -3,8 +3,10 @@
 Two C structs travel as raw memory images: `apir_rpc_tensor` (set/get/cpy tensor and graphs; ids
 instead of pointers, shapes and strides narrowed to uint32, data as an offset from its buffer's base)
 and, for supports_op/get_alloc_size, the frontend's own `struct ggml_tensor` followed by what its
-pointers point to. Both are described here with ctypes, whose layout rules are the C compiler's;
-tests/apir checks every offset against g++ on the pinned headers.
+pointers point to. Once the host granted `extensions.FEATURE_WIDE_TENSORS`, `apir_rpc_tensor_wide`
+(ggml's int64 shapes and uint64 strides) takes `apir_rpc_tensor`'s place everywhere; the `wide`
+arguments below choose it. All are described here with ctypes, whose layout rules are the C
+compiler's; tests/apir checks every offset against g++ on the patched headers.
 """
 
 from __future__ import annotations
@@ -52,6 +54,27 @@ class RpcTensorC(ctypes.Structure):
     ]
 
 
+class RpcTensorWideC(ctypes.Structure):
+    """`struct apir_rpc_tensor_wide`, 328 bytes: the same fields, 64-bit shapes and strides, no implicit padding."""
+
+    _fields_ = [
+        ("id", ctypes.c_uint64),
+        ("type", ctypes.c_uint32),
+        ("reserved", ctypes.c_uint32),
+        ("buffer", ctypes.c_uint64),
+        ("ne", ctypes.c_int64 * MAX_DIMS),
+        ("nb", ctypes.c_uint64 * MAX_DIMS),
+        ("op", ctypes.c_uint32),
+        ("op_params", ctypes.c_int32 * (MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_uint64 * MAX_SRC),
+        ("view_src", ctypes.c_uint64),
+        ("view_offs", ctypes.c_uint64),
+        ("data", ctypes.c_uint64),
+        ("name", ctypes.c_char * MAX_NAME),
+    ]
+
+
 class GgmlTensorC(ctypes.Structure):
     """`struct ggml_tensor` of the pinned ggml (pointers as 64-bit integers), 336 bytes."""
 
@@ -74,6 +97,14 @@ class GgmlTensorC(ctypes.Structure):
 
 
 RPC_TENSOR_SIZE = ctypes.sizeof(RpcTensorC)
+RPC_TENSOR_WIDE_SIZE = ctypes.sizeof(RpcTensorWideC)
+#: the largest shape or stride a narrow record holds
+NARROW_MAX = (1 << 32) - 1
+
+
+def rpc_tensor_size(wide: bool) -> int:
+    """Bytes of one tensor record in the width the connection agreed on."""
+    return RPC_TENSOR_WIDE_SIZE if wide else RPC_TENSOR_SIZE
 GGML_TENSOR_SIZE = ctypes.sizeof(GgmlTensorC)
 
 
@@ -107,8 +138,16 @@ class RpcTensor:
     data: int = 0
     name: bytes = b""
 
-    def to_c(self) -> RpcTensorC:
-        c = RpcTensorC()
+    def fits_narrow(self) -> bool:
+        """Whether `apir_rpc_tensor` holds the shape and strides (else only the wide record does)."""
+        return all(0 <= v <= NARROW_MAX for v in [*self.ne, *self.nb])
+
+    def to_c(self, wide: bool = False) -> RpcTensorC | RpcTensorWideC:
+        """The record; a narrow one raises ValueError on a shape or stride it cannot hold (the C
+        frontend never sends one: it leaves such ops to another device)."""
+        if not wide and not self.fits_narrow():
+            raise ValueError(f"tensor {self.id:#x}: ne {self.ne} / nb {self.nb} need the wide record")
+        c: RpcTensorC | RpcTensorWideC = RpcTensorWideC() if wide else RpcTensorC()
         c.id, c.type, c.buffer = self.id, self.type, self.buffer
         c.ne[:] = _fixed(self.ne, MAX_DIMS, 1)
         c.nb[:] = _fixed(self.nb, MAX_DIMS)
@@ -122,28 +161,33 @@ class RpcTensor:
         c.name = self.name
         return c
 
-    def to_bytes(self) -> bytes:
-        return bytes(self.to_c())
+    def to_bytes(self, wide: bool = False) -> bytes:
+        return bytes(self.to_c(wide))
 
     @classmethod
-    def from_c(cls, c: RpcTensorC) -> RpcTensor:
+    def from_c(cls, c: RpcTensorC | RpcTensorWideC) -> RpcTensor:
         return cls(id=c.id, type=c.type, buffer=c.buffer, ne=list(c.ne), nb=list(c.nb), op=c.op,
                    op_params=list(c.op_params), flags=c.flags, src=list(c.src), view_src=c.view_src,
                    view_offs=c.view_offs, data=c.data, name=c.name)
 
     @classmethod
-    def from_bytes(cls, data: bytes | memoryview) -> RpcTensor:
-        if len(data) != RPC_TENSOR_SIZE:
-            raise ApirDecodeError(f"apir_rpc_tensor needs {RPC_TENSOR_SIZE} bytes, got {len(data)}", 0)
-        return cls.from_c(RpcTensorC.from_buffer_copy(data))
+    def from_bytes(cls, data: bytes | memoryview, wide: bool = False) -> RpcTensor:
+        size = rpc_tensor_size(wide)
+        if len(data) != size:
+            raise ApirDecodeError(f"{_record_name(wide)} needs {size} bytes, got {len(data)}", 0)
+        return cls.from_c(RpcTensorWideC.from_buffer_copy(data) if wide else RpcTensorC.from_buffer_copy(data))
 
 
-def encode_rpc_tensor(enc: Encoder, t: RpcTensor) -> None:
-    enc.raw(t.to_bytes())
+def _record_name(wide: bool) -> str:
+    return "apir_rpc_tensor_wide" if wide else "apir_rpc_tensor"
 
 
-def decode_rpc_tensor(dec: Decoder) -> RpcTensor:
-    return RpcTensor.from_bytes(dec.raw(RPC_TENSOR_SIZE, "apir_rpc_tensor"))
+def encode_rpc_tensor(enc: Encoder, t: RpcTensor, wide: bool = False) -> None:
+    enc.raw(t.to_bytes(wide))
+
+
+def decode_rpc_tensor(dec: Decoder, wide: bool = False) -> RpcTensor:
+    return RpcTensor.from_bytes(dec.raw(rpc_tensor_size(wide), _record_name(wide)), wide)
 
 
 _ids = itertools.count(0x1000, 0x10)
@@ -291,15 +335,16 @@ class Graph:
             visit(n)
         return out
 
-    def serialize(self) -> bytes:
-        """| n_nodes u32 | node ids u64[n_nodes] | n_tensors u32 | apir_rpc_tensor[n_tensors] |"""
+    def serialize(self, wide: bool = False) -> bytes:
+        """| n_nodes u32 | node ids u64[n_nodes] | n_tensors u32 | apir_rpc_tensor[n_tensors] |
+        (`wide`: apir_rpc_tensor_wide records)"""
         enc = Encoder()
         enc.u32(len(self.nodes))
         enc.u64_array([n.id for n in self.nodes])
         tensors = self.tensors()
         enc.u32(len(tensors))
         for t in tensors:
-            encode_rpc_tensor(enc, t.to_rpc())
+            encode_rpc_tensor(enc, t.to_rpc(), wide)
         return enc.getvalue()
 
 
@@ -322,12 +367,12 @@ class SerializedGraph:
                     raise ApirDecodeError(f"tensor {t.id:#x} refers to unknown tensor {ref:#x}", 0)
 
 
-def deserialize_graph(data: bytes | memoryview, strict: bool = True) -> SerializedGraph:
+def deserialize_graph(data: bytes | memoryview, strict: bool = True, wide: bool = False) -> SerializedGraph:
     dec = Decoder(data, strict=strict)
     n_nodes = dec.u32()
     nodes = dec.u64_array(n_nodes)
     n_tensors = dec.u32()
-    if dec.strict and n_tensors * RPC_TENSOR_SIZE > dec.remaining:
+    if dec.strict and n_tensors * rpc_tensor_size(wide) > dec.remaining:
         raise ApirDecodeError(f"{n_tensors} tensors do not fit in {dec.remaining} bytes", dec.pos)
-    tensors = [decode_rpc_tensor(dec) for _ in range(n_tensors)] if not dec.fatal else []
+    tensors = [decode_rpc_tensor(dec, wide) for _ in range(n_tensors)] if not dec.fatal else []
     return SerializedGraph(nodes, tensors)

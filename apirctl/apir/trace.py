@@ -56,6 +56,8 @@ class Record:
     duration_ns: int
     request: bytes
     reply: bytes
+    #: the host had granted FEATURE_WIDE_TENSORS before this command: its tensors are wide records
+    wide_tensors: bool = False
 
     @property
     def kind(self) -> str:
@@ -115,7 +117,8 @@ class Record:
                 reply = Decoder(self.reply)
                 out["reply"] = {"major": reply.u32(), "minor": reply.u32()}
         elif fn is not None:
-            out["request"] = {k: messages.plain(v) for k, v in messages.decode_request(fn, rest).items()}
+            out["request"] = {k: messages.plain(v)
+                              for k, v in messages.decode_request(fn, rest, wide=self.wide_tensors).items()}
             if fn.reply and self.ok:
                 out["reply"] = {k: messages.plain(v) for k, v in messages.decode_reply(fn, self.reply).items()}
         elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GRAPH_RUN:
@@ -127,9 +130,20 @@ class Record:
             if self.ok:
                 result, status = extensions.decode_graph_run_reply(self.reply)
                 out["reply"] = {"result": result, "status": status}
-        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GET_FEATURES and self.ok:
-            out["reply"] = {"features": extensions.decode_features(self.reply)}
+        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GET_FEATURES:
+            wanted = extensions.decode_features_request(rest)
+            if wanted is not None:
+                out["request"] = {"wanted": wanted}
+            if self.ok:
+                out["reply"] = {"features": extensions.decode_features(self.reply)}
         return out
+
+    def features_granted(self) -> int | None:
+        """The features an answered EXT_GET_FEATURES granted, else None."""
+        if not (self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GET_FEATURES
+                and self.ok and len(self.reply) >= 8):
+            return None
+        return extensions.decode_features(self.reply)
 
     def graph_run(self) -> tuple[extensions.GraphRun, int] | None:
         """An answered EXT_GRAPH_RUN's request and result, else None (also when it does not decode)."""
@@ -146,8 +160,8 @@ class Record:
         """Bytes of graph serialization this command made the host read (0 for every other command)."""
         if self.function is not None and self.function.qualname == "backend_graph_compute" and self.ok:
             try:
-                return int(messages.decode_request(self.function, messages.decode_command(self.request)[3])
-                           .get("graph_size", 0))
+                return int(messages.decode_request(self.function, messages.decode_command(self.request)[3],
+                                                   wide=self.wide_tensors).get("graph_size", 0))
             except (ApirDecodeError, ValueError):
                 return 0
         found = self.graph_run()
@@ -245,6 +259,7 @@ def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None 
     if magic != MAGIC:
         raise ApirTraceError(f"not an APIR trace: it starts with {magic!r}, not {MAGIC.decode()}", 0)
     index = 0
+    wide = False  # as the host reads the client's tensors: narrow until a reply grants the wide records
     while True:
         offset = src.pos
         try:
@@ -267,8 +282,12 @@ def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None 
             if live:
                 return
             raise
-        yield Record(index=index, offset=offset, cmd_type=cmd_type, cmd_flags=cmd_flags, ret=ret,
-                     start_ns=start_ns, duration_ns=duration_ns, request=request, reply=reply)
+        record = Record(index=index, offset=offset, cmd_type=cmd_type, cmd_flags=cmd_flags, ret=ret,
+                        start_ns=start_ns, duration_ns=duration_ns, request=request, reply=reply, wide_tensors=wide)
+        granted = record.features_granted()
+        if granted is not None:
+            wide = bool(granted & extensions.FEATURE_WIDE_TENSORS)
+        yield record
         index += 1
 
 

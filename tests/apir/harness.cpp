@@ -5,6 +5,8 @@
 //   enc <kind> <args...>   -> hex of the encoded bytes
 //   dec <kind> <hex>       -> the decoded value(s), then " fatal=<0|1>"
 //   graph <hex>            -> JSON of the ggml graph the backend rebuilds from a serialized graph
+//   wide <0|1>             -> the graph decoder's client reads apir_rpc_tensor_wide records (as once
+//                             granted APIR_FEATURE_WIDE_TENSORS); answers "ok"
 //   layout | constants     -> JSON
 // Buffers are zeroed before encoding, so padding bytes are deterministic.
 #include "ggml-backend-impl.h"
@@ -12,6 +14,7 @@
 #include "backend-convert.h"
 #include "shared/api_remoting.h"
 #include "shared/apir_backend.h"
+#include "shared/apir_backend_ext.h"
 #include "shared/apir_cs.h"
 #include "shared/apir_cs_rpc.h"
 #include "shared/apir_cs_ggml.h"
@@ -80,8 +83,9 @@ static int enc_cmd(std::istringstream & in, const std::string & kind) {
         else if (kind == "u32_array") { std::vector<uint32_t> w(v.begin(), v.end()); apir_encode_uint32_t_array(&enc, w.data(), n); }
         else { std::vector<int32_t> w; for (auto x : v) w.push_back((int32_t) (int64_t) x); apir_encode_int32_t_array(&enc, w.data(), n); }
     }
-    else if (kind == "rpc_tensor") {
-        apir_rpc_tensor t; memset(&t, 0, sizeof t);
+    else if (kind == "rpc_tensor" || kind == "rpc_tensor_wide") {
+        // parsed into the wide form, and written as the frontend writes it for either width
+        apir_rpc_tensor_wide t; memset(&t, 0, sizeof t);
         in >> t.id >> t.type >> t.buffer;
         for (auto & x : t.ne) in >> x;
         for (auto & x : t.nb) in >> x;
@@ -92,7 +96,7 @@ static int enc_cmd(std::istringstream & in, const std::string & kind) {
         in >> t.view_src >> t.view_offs >> t.data;
         std::string h; in >> h; auto name = unhex(h == "-" ? "" : h);
         memcpy(t.name, name.data(), std::min(name.size(), sizeof t.name - 1));
-        apir_encode_rcp_tensor(&enc, &t);
+        apir_encode_rcp_tensor(&enc, &t, kind == "rpc_tensor_wide");
     }
     else { return 1; }
     std::cout << hex(enc.start, enc.cur - enc.start) << "\n";
@@ -125,8 +129,11 @@ static int dec_cmd(std::istringstream & in, const std::string & kind) {
         o << n;
         if (v) for (uint32_t i = 0; i < n; i++) o << " " << v[i];
     }
-    else if (kind == "rpc_tensor") {
-        const apir_rpc_tensor * t = (const apir_rpc_tensor *) apir_decoder_use_inplace(&dec, sizeof(apir_rpc_tensor));
+    else if (kind == "rpc_tensor" || kind == "rpc_tensor_wide") {
+        // as the host reads it: widened
+        apir_rpc_tensor_wide wide;
+        apir_decode_rcp_tensor(&dec, &wide, kind == "rpc_tensor_wide");
+        const apir_rpc_tensor_wide * t = apir_decoder_get_fatal(&dec) ? nullptr : &wide;
         if (!t) { o << "null"; }
         else {
             o << t->id << " " << t->type << " " << t->buffer;
@@ -208,11 +215,15 @@ harness_buffer_context * harness_context_of(ggml_backend_buffer_t buffer) {
     return &ctx;
 }
 
-// frontgraph K M N: out = mul_mat(A[K,M], B[K,N]) + C[M,N], allocated in a CPU buffer in creation
-// order, serialized by upstream's frontend code.
+// frontgraph K M N [wide]: out = mul_mat(A[K,M], B[K,N]) + C[M,N], allocated in a CPU buffer in
+// creation order, serialized by the frontend's code (wide: apir_rpc_tensor_wide records).
 static void frontgraph_cmd(std::istringstream & in) {
     int64_t k, m, n;
+    int     wide = 0;
     in >> k >> m >> n;
+    if (!(in >> wide)) {
+        wide = 0;
+    }
     ggml_init_params params = { ggml_tensor_overhead() * 16 + ggml_graph_overhead(), NULL, true };
     ggml_context * ctx = ggml_init(params);
     ggml_tensor * a = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, k, m);
@@ -229,7 +240,7 @@ static void frontgraph_cmd(std::istringstream & in) {
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
     std::vector<uint8_t> bytes;
-    apir_serialize_graph(gf, bytes);
+    apir_serialize_graph(gf, wide != 0, bytes);
     std::cout << hex((const char *) bytes.data(), bytes.size()) << "\n";
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
@@ -247,6 +258,7 @@ int main() {
         else if (cmd == "dec") { in >> kind; if (dec_cmd(in, kind)) std::cout << "unknown\n"; }
         else if (cmd == "graph") { graph_cmd(in); }
         else if (cmd == "buffer") { uint64_t id; harness_client(&id); std::cout << id << "\n"; }
+        else if (cmd == "wide") { int w = 0; in >> w; harness_client().wide_tensors = w != 0; std::cout << "ok\n"; }
         else if (cmd == "frontgraph") { frontgraph_cmd(in); }
         else if (cmd == "layout") {
             std::cout << "{\"apir_rpc_tensor\":{\"size\":" << sizeof(apir_rpc_tensor) << ","
@@ -257,6 +269,17 @@ int main() {
                       << OFF(apir_rpc_tensor, src) << "," << OFF(apir_rpc_tensor, view_src) << ","
                       << OFF(apir_rpc_tensor, view_offs) << "," << OFF(apir_rpc_tensor, data) << ","
                       << OFF(apir_rpc_tensor, name) << "," << OFF(apir_rpc_tensor, padding) << "},"
+                      << "\"apir_rpc_tensor_wide\":{\"size\":" << sizeof(apir_rpc_tensor_wide) << ","
+                      << OFF(apir_rpc_tensor_wide, id) << "," << OFF(apir_rpc_tensor_wide, type) << ","
+                      << OFF(apir_rpc_tensor_wide, reserved) << ","
+                      << OFF(apir_rpc_tensor_wide, buffer) << "," << OFF(apir_rpc_tensor_wide, ne) << ","
+                      << OFF(apir_rpc_tensor_wide, nb) << "," << OFF(apir_rpc_tensor_wide, op) << ","
+                      << OFF(apir_rpc_tensor_wide, op_params) << "," << OFF(apir_rpc_tensor_wide, flags) << ","
+                      << OFF(apir_rpc_tensor_wide, src) << "," << OFF(apir_rpc_tensor_wide, view_src) << ","
+                      << OFF(apir_rpc_tensor_wide, view_offs) << "," << OFF(apir_rpc_tensor_wide, data) << ","
+                      << OFF(apir_rpc_tensor_wide, name) << "},"
+                      << "\"apir_graph_run_write\":{\"size\":" << sizeof(apir_graph_run_write) << "},"
+                      << "\"apir_graph_run_write_wide\":{\"size\":" << sizeof(apir_graph_run_write_wide) << "},"
                       << "\"ggml_tensor\":{\"size\":" << sizeof(ggml_tensor) << ","
                       << OFF(ggml_tensor, type) << "," << OFF(ggml_tensor, buffer) << ","
                       << OFF(ggml_tensor, ne) << "," << OFF(ggml_tensor, nb) << "," << OFF(ggml_tensor, op) << ","

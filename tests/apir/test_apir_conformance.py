@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from apirctl.apir import protocol, table, tensor
+from apirctl.apir import extensions, protocol, table, tensor
 from apirctl.apir.graph_check import matmul_add_case
 from apirctl.apir.wire import Decoder, Encoder
 
@@ -23,6 +23,7 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 U64 = st.integers(0, 2**64 - 1)
 U32 = st.integers(0, 2**32 - 1)
 I32 = st.integers(-(2**31), 2**31 - 1)
+I64 = st.integers(-(2**63), 2**63 - 1)
 
 
 def _enc(fn: str, *args: object) -> str:
@@ -33,10 +34,13 @@ def _enc(fn: str, *args: object) -> str:
 
 def test_struct_layouts_match_the_compiler(harness) -> None:  # type: ignore[no-untyped-def]
     got = json.loads(harness.ask("layout"))
-    for name, struct in (("apir_rpc_tensor", tensor.RpcTensorC), ("ggml_tensor", tensor.GgmlTensorC)):
+    for name, struct in (("apir_rpc_tensor", tensor.RpcTensorC), ("apir_rpc_tensor_wide", tensor.RpcTensorWideC),
+                         ("ggml_tensor", tensor.GgmlTensorC)):
         c_layout = got[name]
         assert c_layout.pop("size") == __import__("ctypes").sizeof(struct)
         assert {k: tuple(v) for k, v in c_layout.items()} == tensor.layout(struct)
+    assert got["apir_graph_run_write"]["size"] == extensions.WRITE_SIZE == 336
+    assert got["apir_graph_run_write_wide"]["size"] == extensions.WRITE_SIZE_WIDE == 360
 
 
 def test_constants_match_the_headers(harness) -> None:  # type: ignore[no-untyped-def]
@@ -149,12 +153,43 @@ def test_rpc_tensor_encodes_and_decodes_identically(harness, t: tensor.RpcTensor
     assert tensor.RpcTensor.from_bytes(bytes.fromhex(c_hex)) == t
 
 
+def wide_rpc_tensors() -> st.SearchStrategy[tensor.RpcTensor]:
+    return rpc_tensors().flatmap(lambda t: st.builds(
+        lambda ne, nb: tensor.RpcTensor(**{**t.__dict__, "ne": ne, "nb": nb}),
+        st.lists(I64, min_size=4, max_size=4), st.lists(U64, min_size=4, max_size=4)))
+
+
+@SETTINGS
+@given(wide_rpc_tensors())
+@example(tensor.RpcTensor(id=1, ne=[2**63 - 1, -1, 2**32, 0], nb=[2**64 - 1, 2**32, 0, 1], name=b"w" * 63))
+def test_wide_rpc_tensor_encodes_and_decodes_identically(harness, t: tensor.RpcTensor) -> None:  # type: ignore[no-untyped-def]
+    c_hex = harness.ask(f"enc rpc_tensor_wide {_fields(t)}")
+    assert c_hex == t.to_bytes(wide=True).hex()
+    assert len(c_hex) == 2 * tensor.RPC_TENSOR_WIDE_SIZE
+    c_back, fatal = harness.ask(f"dec rpc_tensor_wide {c_hex}").rsplit(" fatal=", 1)
+    assert fatal == "0" and c_back == _fields(t)
+    assert tensor.RpcTensor.from_bytes(bytes.fromhex(c_hex), wide=True) == t
+
+
+@SETTINGS
+@given(rpc_tensors())
+def test_narrow_records_are_widened_as_the_host_reads_them(harness, t: tensor.RpcTensor) -> None:  # type: ignore[no-untyped-def]
+    # the C frontend writes a narrow record from its wide one; the host widens it back: same values
+    c_hex = harness.ask(f"enc rpc_tensor {_fields(t)}")
+    assert c_hex == t.to_bytes().hex()
+    assert harness.ask(f"dec rpc_tensor {c_hex}") == _fields(t) + " fatal=0"
+
+
 def test_truncated_rpc_tensor_sets_the_flag_in_both(harness) -> None:  # type: ignore[no-untyped-def]
     data = tensor.RpcTensor(id=5).to_bytes()[:-1]
     assert harness.ask(f"dec rpc_tensor {data.hex()}") == "null fatal=1"
     dec = Decoder(data, strict=False)
     tensor.decode_rpc_tensor(dec)
     assert dec.fatal
+    wide = tensor.RpcTensor(id=5).to_bytes(wide=True)
+    assert harness.ask(f"dec rpc_tensor_wide {wide[:-1].hex()}") == "null fatal=1"
+    # a narrow record is cut short for a client that reads wide ones
+    assert harness.ask(f"dec rpc_tensor_wide {tensor.RpcTensor(id=5).to_bytes().hex()}") == "null fatal=1"
 
 
 SHAPES = st.lists(st.integers(1, 9), min_size=1, max_size=4)
@@ -191,6 +226,66 @@ def test_backend_rebuilds_our_graphs(harness, k: int, m: int, n: int, name: str,
     assert all(g["flags"] & tensor.FLAG_COMPUTE for g in got)
 
 
+def _wide_graph(buffer: int) -> tuple[tensor.Graph, tensor.Tensor]:
+    """Rows taken by index from a view of 2^33 rows of stride 0 (16 bytes of memory): no narrow record
+    holds its source."""
+    x = tensor.Tensor((4, 1 << 33), name="x", buffer=buffer, offset=0, strides=(4, 0, 0, 1 << 40))
+    ids = tensor.Tensor((2,), type=26, name="ids", buffer=buffer, offset=64, flags=tensor.FLAG_INPUT)  # I32
+    rows = tensor.Tensor((4, 2), op=40, src=[x, ids], name="rows", buffer=buffer, offset=128)  # GET_ROWS
+    return tensor.Graph([rows]), x
+
+
+def test_backend_rebuilds_wide_graphs_intact(harness) -> None:  # type: ignore[no-untyped-def]
+    buffer = int(harness.ask("buffer"))
+    graph, x = _wide_graph(buffer)
+    with pytest.raises(ValueError, match="wide record"):
+        graph.serialize()
+    data = graph.serialize(wide=True)
+    assert len(data) == 4 + 8 + 4 + 3 * tensor.RPC_TENSOR_WIDE_SIZE
+    try:
+        assert harness.ask("wide 1") == "ok"
+        got = json.loads(harness.ask(f"graph {data.hex()}"))
+        assert got["fatal"] == 0 and bytes.fromhex(got["nodes"][0]["src"][0]["name"]) == b"x"
+        # the source as the backend got it: read back through a node that is the source itself
+        leaf = json.loads(harness.ask(f"graph {tensor.Graph([x]).serialize(wide=True).hex()}"))
+        assert leaf["fatal"] == 0
+        assert leaf["nodes"][0]["ne"] == [4, 1 << 33, 1, 1] and leaf["nodes"][0]["nb"] == [4, 0, 0, 1 << 40]
+        # the same bytes read as narrow records are refused, not misread
+        assert harness.ask("wide 0") == "ok"
+        assert json.loads(harness.ask(f"graph {data.hex()}"))["fatal"] == 1
+    finally:
+        harness.ask("wide 0")
+
+
+@pytest.mark.parametrize("ne, nb", [
+    ([1 << 62, 4, 1, 1], [4, 16, 64, 64]),              # 2^64 elements: the count wraps
+    ([1, 1 << 61, 1, 1], [4, 1 << 4, 0, 0]),             # (ne1 - 1) * nb1 wraps 64 bits
+    ([4, 2, 1, 1], [4, (1 << 64) - 4, 0, 0]),            # a stride that wraps the extent
+    ([4, 2, 2, 1], [4, 1 << 63, 1 << 63, 0]),            # two steps whose sum wraps
+    ([-1, 1, 1, 1], [4, 4, 4, 4]),                       # a negative dimension
+    ([4, 1 << 33, 1, 1], [4, 16, 0, 0]),                 # fine, but 128 GiB: not in a 1 MiB buffer
+])
+def test_backend_refuses_wide_records_that_wrap_or_overflow(harness, ne: list[int],  # type: ignore[no-untyped-def]
+                                                            nb: list[int]) -> None:
+    buffer = int(harness.ask("buffer"))
+    x = tensor.Tensor((4,), name="x", buffer=buffer, offset=0)
+    bad = tensor.RpcTensor(id=x.id + 1, buffer=buffer, ne=ne, nb=nb, op=tensor.OP_ADD, src=[x.id, x.id],
+                           flags=tensor.FLAG_COMPUTE, data=64, name=b"bad")
+    enc = Encoder()
+    enc.u32(1)
+    enc.u64_array([bad.id])
+    enc.u32(2)
+    tensor.encode_rpc_tensor(enc, x.to_rpc(), wide=True)
+    tensor.encode_rpc_tensor(enc, bad, wide=True)
+    try:
+        assert harness.ask("wide 1") == "ok"
+        assert json.loads(harness.ask(f"graph {enc.getvalue().hex()}"))["fatal"] == 1
+        good, _ = _wide_graph(buffer)
+        assert json.loads(harness.ask(f"graph {good.serialize(wide=True).hex()}"))["fatal"] == 0  # still serving
+    finally:
+        harness.ask("wide 0")
+
+
 def test_inline_buffer_handle_is_the_handle(harness) -> None:  # type: ignore[no-untyped-def]
     # Finding (docs/apir.md): upstream's apir_encode_ggml_buffer_handle wrote the address of its pointer
     # parameter, not the handle; the patch series makes it write the handle, as ours does.
@@ -200,10 +295,10 @@ def test_inline_buffer_handle_is_the_handle(harness) -> None:  # type: ignore[no
     assert _enc("handle", handle) == c_bytes.hex()
 
 
-def _normalized(data: bytes) -> bytes:
+def _normalized(data: bytes, wide: bool = False) -> bytes:
     """Ids renumbered by first appearance; bytes upstream leaves uninitialised (struct padding, the
     name after its NUL) zeroed. What remains must be identical."""
-    g = tensor.deserialize_graph(data)
+    g = tensor.deserialize_graph(data, wide=wide)
     order: dict[int, int] = {}
 
     def renum(i: int) -> int:
@@ -220,7 +315,7 @@ def _normalized(data: bytes) -> bytes:
     enc.u64_array(nodes)
     enc.u32(len(g.tensors))
     for t in g.tensors:
-        tensor.encode_rpc_tensor(enc, t)
+        tensor.encode_rpc_tensor(enc, t, wide)
     return enc.getvalue()
 
 
@@ -239,3 +334,8 @@ def test_graph_bytes_match_upstreams_frontend_serializer(harness, k: int, m: int
     ours = tensor.Graph([case.mm, case.out]).serialize()
     assert len(ours) == len(upstream)
     assert _normalized(ours) == _normalized(upstream)
+    # and the wide records the frontend writes once the host granted them
+    frontend_wide = bytes.fromhex(harness.ask(f"frontgraph {k} {m} {n} 1"))
+    ours_wide = tensor.Graph([case.mm, case.out]).serialize(wide=True)
+    assert len(ours_wide) == len(frontend_wide)
+    assert _normalized(ours_wide, wide=True) == _normalized(frontend_wide, wide=True)

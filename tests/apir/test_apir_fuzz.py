@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from apirctl.apir import messages, trace
-from apirctl.apir.tensor import RPC_TENSOR_SIZE, Tensor
+from apirctl.apir import extensions, messages, protocol, trace
+from apirctl.apir.tensor import RPC_TENSOR_SIZE, RPC_TENSOR_WIDE_SIZE, Tensor
 from tests.apir.fuzz import build as fuzz_build
 from tests.apir.fuzz import campaign, seeds_from_trace
 from tests.apir.fuzz.seeds_from_trace import CALL, PLACEHOLDER, RES_BUFFER, RES_GRAPH, RES_SIZE
@@ -28,8 +28,13 @@ from tests.apir.fuzz.seeds_from_trace import CALL, PLACEHOLDER, RES_BUFFER, RES_
 BUFT, BUFFER = 0x7F00_1234_5000, 0x6100_0000_0A10
 
 
-def record(fn: str, reply: bytes = b"", ok: bool = True, **values: Any) -> bytes:
-    return trace.encode_record(messages.encode_forward(fn, 1, **values), reply, ret=4 if ok else 5)
+def record(fn: str, reply: bytes = b"", ok: bool = True, wide: bool = False, **values: Any) -> bytes:
+    return trace.encode_record(messages.encode_forward(fn, 1, wide=wide, **values), reply, ret=4 if ok else 5)
+
+
+def features_record(wanted: int, granted: int) -> bytes:
+    request = messages.encode_command(protocol.CommandType.FORWARD, extensions.GET_FEATURES, 1)
+    return trace.encode_record(request + extensions.encode_features_request(wanted), struct.pack("<Q", granted), ret=4)
 
 
 def sample_trace() -> bytes:
@@ -96,6 +101,46 @@ def test_seeds_carry_the_calls_that_made_their_handles() -> None:
     assert {name.split("-")[0] for name in found} >= {"session", "graph", "buffer"}
 
 
+def test_a_wide_trace_gives_wide_calls_that_negotiate_first() -> None:
+    """A host that granted the wide records: the trace's tensors are wide, and so are the seed's calls,
+    each input asking for them before its first wide call (the harness starts every input narrow)."""
+    tensor = Tensor((16,), buffer=BUFFER, offset=64)
+    data = trace.MAGIC + b"".join([
+        record("device_get_buffer_type", struct.pack("<Q", BUFT)),
+        record("device_buffer_from_ptr", struct.pack("<QQ", BUFFER, BUFT + 8), res_id=7, size=64 << 20,
+               max_tensor_size=64 << 20),
+        features_record(extensions.FEATURES, extensions.FEATURES),
+        record("buffer_set_tensor", wide=True, tensor=tensor.to_rpc(), buffer=BUFFER, res_id=2, offset=0, size=64),
+    ])
+    records = trace.read(data)
+    assert [r.wide_tensors for r in records] == [False, False, False, True]
+    assert records[3].arguments()["request"]["tensor"]["ne"] == [16, 1, 1, 1]
+    calls = seeds_from_trace.calls_from_trace(records)
+    assert [(c.fn, c.wide) for c in calls] == [(7, False), (9, False), (17, True)]
+    only_set = calls_of(seeds_from_trace.encode_input(seeds_from_trace.with_producers(calls, [2])))
+    assert [c[0] for c in only_set] == [9, seeds_from_trace.EXT_GET_FEATURES, 17]
+    assert only_set[1][2] == struct.pack("<Q", extensions.FEATURES)
+    set_tensor = only_set[2][2]
+    assert len(set_tensor) == 8 + RPC_TENSOR_WIDE_SIZE + 20
+    assert struct.unpack_from("<I", set_tensor, 8 + RPC_TENSOR_WIDE_SIZE)[0] == seeds_from_trace.RES_DATA
+
+
+def test_the_wide_seeds_reach_the_wide_decoding() -> None:
+    found = seeds_from_trace.seeds(seeds_from_trace.calls_from_trace(trace.read(sample_trace())))
+    assert {"wide-buffer-life", "wide-graph-run-life", "wide-graph"} <= set(found)
+    for name in ("wide-buffer-life", "wide-graph-run-life", "wide-graph"):
+        calls = calls_of(found[name])
+        asks = [i for i, c in enumerate(calls) if c[0] == seeds_from_trace.EXT_GET_FEATURES]
+        assert asks and calls[asks[0]][2] == struct.pack("<Q", extensions.FEATURES), name
+    life = calls_of(found["wide-buffer-life"])
+    set_tensor = next(c for c in life if c[0] == 17)[2]
+    ne = struct.unpack_from("<4q", set_tensor, 8 + 24)
+    assert ne[1] == 1 << 33  # a shape no narrow record holds
+    graph = next(c for c in calls_of(found["wide-graph"]) if c[0] == 22)[3]
+    first = 4 + 8 * struct.unpack_from("<I", graph)[0] + 4
+    assert (len(graph) - first) % RPC_TENSOR_WIDE_SIZE == 0 and (len(graph) - first) % RPC_TENSOR_SIZE != 0
+
+
 def test_the_committed_corpus_is_small_and_free_of_machine_paths() -> None:
     files = list(campaign.CORPUS.iterdir())
     assert 8 <= len(files) <= 80
@@ -104,6 +149,7 @@ def test_the_committed_corpus_is_small_and_free_of_machine_paths() -> None:
         data = f.read_bytes()
         assert re.search(rb"/(home|root|tmp|Users|srv|opt)/", data) is None, f.name  # no path of a machine
         calls_of(data)  # each one is a whole number of calls
+    assert any(f.name.startswith("wide-") for f in files)  # the negotiated, wide records among them
 
 
 # --- the campaign -------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from apirctl.apir import messages, protocol, table, tensor
+from apirctl.apir import extensions, messages, protocol, table, tensor
 from apirctl.apir.table import Kind
 from apirctl.apir.wire import ApirDecodeError, Decoder, Encoder, padded
 
@@ -121,6 +121,48 @@ def test_rpc_tensor_round_trips(t: tensor.RpcTensor) -> None:
     data = t.to_bytes()
     assert len(data) == tensor.RPC_TENSOR_SIZE == 304
     assert tensor.RpcTensor.from_bytes(data) == t
+
+
+def test_wide_rpc_tensor_round_trips_what_a_narrow_one_cannot_hold() -> None:
+    t = tensor.RpcTensor(id=7, ne=[4, 1 << 33, 1, -1], nb=[4, 0, 1 << 40, (1 << 64) - 1], name=b"w")
+    assert not t.fits_narrow()
+    with pytest.raises(ValueError, match="wide record"):
+        t.to_bytes()
+    data = t.to_bytes(wide=True)
+    assert len(data) == tensor.RPC_TENSOR_WIDE_SIZE == 328
+    assert tensor.RpcTensor.from_bytes(data, wide=True) == t
+    with pytest.raises(ApirDecodeError):
+        tensor.RpcTensor.from_bytes(data)  # 328 bytes are not a narrow record
+    # the fields keep their order and the narrow record's offsets up to `buffer`
+    assert tensor.layout(tensor.RpcTensorWideC)["buffer"] == tensor.layout(tensor.RpcTensorC)["buffer"]
+
+
+def test_wide_graphs_and_writes_have_the_wide_sizes() -> None:
+    a = tensor.Tensor((4, 3), name="a")
+    n = tensor.Tensor((4, 3), op=tensor.OP_ADD, src=[a, a], name="n")
+    data = tensor.Graph([n]).serialize(wide=True)
+    assert len(data) == 4 + 8 + 4 + 2 * tensor.RPC_TENSOR_WIDE_SIZE
+    g = tensor.deserialize_graph(data, wide=True)
+    g.check()
+    assert [t.name for t in g.tensors] == [b"a", b"n"]
+    with pytest.raises(ApirDecodeError):
+        tensor.deserialize_graph(data[:-1], wide=True)
+    write = extensions.Write(1, a.to_rpc(), 0, 48, 0)
+    assert len(extensions.encode_writes([write])) == extensions.WRITE_SIZE
+    assert len(extensions.encode_writes([write], wide=True)) == extensions.WRITE_SIZE_WIDE
+    request = messages.encode_request("buffer_get_tensor", wide=True, buffer=1, tensor=a.to_rpc(), res_id=3,
+                                      offset=0, size=48)
+    assert len(request) == 8 + tensor.RPC_TENSOR_WIDE_SIZE + 4 + 16
+    assert messages.decode_request("buffer_get_tensor", request, exact=True, wide=True)["tensor"] == a.to_rpc()
+
+
+def test_features_negotiation_model() -> None:
+    assert extensions.decode_features_request(b"") is None  # a frontend from before the request carried them
+    wanted = extensions.FEATURE_GRAPH_RUN | extensions.FEATURE_WIDE_TENSORS
+    assert extensions.decode_features_request(extensions.encode_features_request(wanted)) == wanted
+    # an older host ignores the request and answers all it has: the frontend keeps what it asked for
+    assert extensions.granted(extensions.FEATURE_GRAPH_RUN, extensions.FEATURES) == extensions.FEATURE_GRAPH_RUN
+    assert extensions.granted(wanted, extensions.FEATURE_GRAPH_RUN) == extensions.FEATURE_GRAPH_RUN
 
 
 def values_for(fields: tuple[table.Field, ...]) -> st.SearchStrategy[dict[str, object]]:

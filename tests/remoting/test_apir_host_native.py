@@ -828,38 +828,104 @@ def test_indices_are_checked_where_the_guest_cannot_change_them(asan_host: Path,
 
 
 WIDE_OP_PROBE = """
-import ctypes, sys
+import ctypes, struct, sys
 ggml, base = ctypes.CDLL(sys.argv[1]), ctypes.CDLL(sys.argv[2])
 class Params(ctypes.Structure):
     _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
-P = ctypes.c_void_p
+P, I64 = ctypes.c_void_p, ctypes.c_int64
 for lib, name, res, args in ((base, "ggml_init", P, [Params]),
-                             (base, "ggml_new_tensor_2d", P, [P, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]),
+                             (base, "ggml_new_tensor_1d", P, [P, ctypes.c_int, I64]),
+                             (base, "ggml_new_tensor_2d", P, [P, ctypes.c_int, I64, I64]),
                              (base, "ggml_mul_mat", P, [P, P, P]),
+                             (base, "ggml_get_rows", P, [P, P, P]),
+                             (base, "ggml_new_graph", P, [P]),
+                             (base, "ggml_build_forward_expand", None, [P, P]),
+                             (base, "ggml_backend_buft_alloc_buffer", P, [P, ctypes.c_size_t]),
+                             (base, "ggml_backend_buffer_get_base", P, [P]),
+                             (base, "ggml_backend_tensor_alloc", ctypes.c_int, [P, P, P]),
+                             (base, "ggml_backend_tensor_set", None, [P, P, ctypes.c_size_t, ctypes.c_size_t]),
+                             (base, "ggml_backend_tensor_get", None, [P, P, ctypes.c_size_t, ctypes.c_size_t]),
+                             (base, "ggml_backend_graph_compute", ctypes.c_int, [P, P]),
                              (ggml, "ggml_backend_dev_count", ctypes.c_size_t, []),
                              (ggml, "ggml_backend_dev_get", P, [ctypes.c_size_t]),
                              (ggml, "ggml_backend_dev_name", ctypes.c_char_p, [P]),
+                             (ggml, "ggml_backend_dev_buffer_type", P, [P]),
+                             (ggml, "ggml_backend_dev_init", P, [P, ctypes.c_char_p]),
                              (ggml, "ggml_backend_dev_supports_op", ctypes.c_bool, [P, P])):
     getattr(lib, name).restype, getattr(lib, name).argtypes = res, args
 ctx = base.ggml_init(Params(1 << 20, None, True))  # tensors without memory: only their shapes matter
 for i in range(ggml.ggml_backend_dev_count()):
     dev = ggml.ggml_backend_dev_get(i)
+    name = ggml.ggml_backend_dev_name(dev).decode()
     for rows in (64, 1 << 32):
         a, b = base.ggml_new_tensor_2d(ctx, 0, 64, rows), base.ggml_new_tensor_2d(ctx, 0, 64, 4)
         product = base.ggml_mul_mat(ctx, a, b)
-        print(ggml.ggml_backend_dev_name(dev).decode(), rows, ggml.ggml_backend_dev_supports_op(dev, product))
+        print(name, rows, ggml.ggml_backend_dev_supports_op(dev, product))
+    if sys.argv[3] != "transfer" or not name.startswith("[virtgpu]"):
+        continue
+    # 2^33 rows of stride 0 over 16 bytes of the device's memory: written, read back, and rows taken
+    # from it by index in a graph computed on the device
+    x = base.ggml_new_tensor_2d(ctx, 0, 4, 1 << 33)
+    nb = (ctypes.c_size_t * 4).from_address(x + 48)  # ggml_tensor.nb
+    nb[1] = nb[2] = nb[3] = 0
+    ids = base.ggml_new_tensor_1d(ctx, 26, 2)  # GGML_TYPE_I32
+    rows = base.ggml_get_rows(ctx, x, ids)
+    buffer = base.ggml_backend_buft_alloc_buffer(ggml.ggml_backend_dev_buffer_type(dev), 4096)
+    at = base.ggml_backend_buffer_get_base(buffer)
+    for t, offset in ((x, 0), (ids, 64), (rows, 128)):
+        assert base.ggml_backend_tensor_alloc(buffer, t, at + offset) == 0
+    xs = struct.pack("<4f", 1, 2, 3, 4)
+    base.ggml_backend_tensor_set(x, xs, 0, 16)
+    base.ggml_backend_tensor_set(ids, struct.pack("<2i", 5, (1 << 31) - 1), 0, 8)
+    back = ctypes.create_string_buffer(32)
+    base.ggml_backend_tensor_get(x, back, 0, 16)
+    print("get", back.raw[:16] == xs)
+    graph = base.ggml_new_graph(ctx)
+    base.ggml_build_forward_expand(graph, rows)
+    print("compute", base.ggml_backend_graph_compute(ggml.ggml_backend_dev_init(dev, None), graph))
+    base.ggml_backend_tensor_get(rows, back, 0, 32)
+    print("rows", back.raw == xs * 2)
 """
 
 
-def test_an_op_wider_than_the_wire_stays_off_the_apir_device(asan_host: Path, llama_build: llamacpp.Build,
-                                                             workdir: Path) -> None:
-    """A graph's tensors reach the host as apir_rpc_tensor, with 32-bit shapes and strides: the frontend
-    does not claim an op with a tensor of 2^32 rows (which the CPU device takes), so it is never cut short."""
-    with apir_host(asan_host, llama_build, workdir) as (_host, path, _log):
+@pytest.mark.parametrize("mode", ["wide", "narrow", "upstream host"])
+def test_an_op_wider_than_the_wire_is_claimed_only_with_the_wide_records(asan_host: Path, llama_build: llamacpp.Build,
+                                                                         workdir: Path, mode: str) -> None:
+    """Without the wide records (GGML_VIRTGPU_WIDE_TENSORS=0, or a host library that lacks them:
+    upstream's), a graph's tensors reach the host as apir_rpc_tensor, with 32-bit shapes and strides, so
+    the frontend does not claim an op with a tensor of 2^32 rows (which the CPU device takes), and it is
+    never cut short. With them (patch 0021, negotiated) it is claimed, and a tensor of 2^33 rows crosses
+    intact: written, read back and computed from through the frontend and apir-host."""
+    client_env = {"GGML_VIRTGPU_WIDE_TENSORS": "0"} if mode == "narrow" else {}
+    host, host_env, backend_library = asan_host, None, None
+    if mode == "upstream host":
+        upstream = upstream_apir.libraries()
+        host, host_env = llama_build.binary("apir-host"), {"LD_LIBRARY_PATH": str(llama_build.bin_dir)}
+        backend_library = upstream / "libggml-virtgpu-backend.so"
+    trace = workdir / "trace.bin"
+    with apir_host(host, llama_build, workdir, trace, env=host_env, backend_library=backend_library) as (
+            _host, path, log):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GGML_VIRTGPU_")}
+        env.update(GGML_VIRTGPU_SOCKET=str(path), **client_env)
         done = subprocess.run([sys.executable, "-c", WIDE_OP_PROBE, str(llama_build.library("ggml")),
-                               str(llama_build.library("ggml-base"))], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "GGML_VIRTGPU_SOCKET": str(path)})
+                               str(llama_build.library("ggml-base")), "transfer" if mode == "wide" else "-"],
+                              capture_output=True, text=True, timeout=300, env=env)
+        host_log = log.read_text(errors="replace")
     assert done.returncode == 0, done.stderr[-3000:]
-    answers = {tuple(line.rsplit(" ", 2)[:2]): line.endswith("True") for line in done.stdout.splitlines()}
-    assert answers == {("[virtgpu] CPU", "64"): True, ("[virtgpu] CPU", str(1 << 32)): False,
+    lines = done.stdout.splitlines()
+    answers = {tuple(line.rsplit(" ", 2)[:2]): line.endswith("True") for line in lines if line[0] in "[C"}
+    assert answers == {("[virtgpu] CPU", "64"): True, ("[virtgpu] CPU", str(1 << 32)): mode == "wide",
                        ("CPU", "64"): True, ("CPU", str(1 << 32)): True}
+    if mode == "wide":
+        assert [line for line in lines if line[0] not in "[C"] == ["get True", "compute 0", "rows True"], done.stdout
+        assert "ggml-virtgpu: apir_ext_init: tensors travel with 64-bit shapes and strides" in done.stderr
+        assert "refused" not in host_log, host_log[-3000:]
+    # what the frontend asked for and what it was told, in the host's trace
+    asked = [apir_trace.Record(0, 0, r[0], r[1], r[2], 0, 0, b"", r[3]) for r in decode_trace(trace)
+             if r[0] == FORWARD and r[1] == extensions.GET_FEATURES]
+    assert len(asked) == 1
+    granted = asked[0].features_granted()
+    if mode == "upstream host":
+        assert granted is None  # the library lacks the command: FORWARD_INDEX_INVALID
+    else:
+        assert granted is not None and bool(granted & extensions.FEATURE_WIDE_TENSORS) == (mode == "wide")

@@ -30,8 +30,14 @@
 // Other ids are unknown (get_shmem_ptr answers NULL). Their sizes are offered to the library by
 // shmem_size() where the library exports a way to ask (see register_shmem_size below).
 //
+// Tensor records are apir_rpc_tensor until an EXT_GET_FEATURES call of the input (fn 24) asks for
+// APIR_FEATURE_WIDE_TENSORS (an 8-byte request with bit 1 set) and the library grants it: from then
+// on that context's records are apir_rpc_tensor_wide, as a negotiated frontend sends them.
+//
 // At the end of an input every buffer it was given is freed with buffer_free_buffer, so the process
-// does not grow; the library is initialized once per process. Allocation sizes asked of
+// does not grow, and both contexts are put back to narrow records (an EXT_GET_FEATURES without a
+// request, a frontend from before the negotiation), so that an input means the same in any order;
+// the library is initialized once per process. Allocation sizes asked of
 // buffer_type_alloc_buffer are cut to 1 MiB: the host's memory is not what this measures.
 //
 // Environment: APIR_FUZZ_GGML_LIBRARY (default: libggml-cpu.so next to the backend library),
@@ -71,6 +77,7 @@ constexpr uint32_t FN_BUFFER_FROM_PTR  = 9;
 constexpr uint32_t FN_ALLOC_BUFFER     = 14;
 constexpr uint32_t FN_BUFFER_GET_BASE  = 16;
 constexpr uint32_t FN_FREE_BUFFER      = 21;
+constexpr uint32_t FN_EXT_GET_FEATURES = N_FUNCTIONS + 1;
 constexpr uint32_t LOAD_LIBRARY_OK     = 6;  // APIR_LOAD_LIBRARY_INIT_BASE_INDEX + SUCCESS
 constexpr size_t   CALL_HEADER         = 12;
 constexpr size_t   MAX_CALLS           = 64;
@@ -242,6 +249,14 @@ void free_buffers() {
     handles.clear();
 }
 
+// narrow records again for the next input
+void reset_features() {
+    std::vector<uint8_t> request, reply;
+    for (uint32_t ctx_id : { CTX_MAIN, CTX_OTHER }) {
+        dispatch(ctx_id, FN_EXT_GET_FEATURES, request, REPLY_SIZE, reply);
+    }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int * argc, char *** argv) {
@@ -347,5 +362,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         }
     }
     free_buffers();
+    reset_features();
     return 0;
 }

@@ -13,7 +13,9 @@ memory (docs/apir.md, Traces). Each FORWARD record becomes one call of the harne
 
 From that call list it writes a few dozen short inputs: the session's start, a handful of distinct
 calls of each function with the calls that made the handles they use, a buffer's whole life, and one
-graph_compute per graph. Usage:
+graph_compute per graph. A trace whose host granted the wide records (FEATURE_WIDE_TENSORS) gives
+calls in that width, and every input asks for it before its first such call; the `wide-*` seeds
+take the wide decoding paths whatever the trace. Usage:
 
     python -m tests.apir.fuzz.seeds_from_trace TRACE OUT_DIR
 """
@@ -27,16 +29,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apirctl.apir import protocol, trace
+from apirctl.apir import extensions, protocol, trace
 from apirctl.apir.tensor import (
     FLAG_INPUT,
     FLAG_OUTPUT,
     GGML_TENSOR_SIZE,
     OP_ADD,
     OP_MUL_MAT,
-    RPC_TENSOR_SIZE,
     Graph,
     Tensor,
+    rpc_tensor_size,
 )
 
 PLACEHOLDER = 0x4150495248000000
@@ -78,6 +80,7 @@ class Call:
     res_bytes: bytes = b""
     res_handle_offsets: list[int] = field(default_factory=list)
     produces: list[int] = field(default_factory=list)  # handle values the reply gave, in the harness's order
+    wide: bool = False  # its tensor records are apir_rpc_tensor_wide: the input negotiates them first
 
     def uses(self) -> list[int]:
         return [v for v in (_u64(self.request, o) for o in self.handle_offsets) if v] + \
@@ -99,12 +102,12 @@ def produced(fn: int, reply: bytes) -> list[int]:
     return [_u64(reply, o) for o in offsets if o + 8 <= len(reply)]
 
 
-def handle_offsets(fn: int, request: bytes) -> list[int]:
+def handle_offsets(fn: int, request: bytes, wide: bool = False) -> list[int]:
     out = [0] if fn in HANDLE_FIRST else []
     if fn in (SET_TENSOR, GET_TENSOR, CPY_TENSOR):
         out.append(8 + RPC_BUFFER_AT)
     if fn == CPY_TENSOR:
-        out.append(8 + RPC_TENSOR_SIZE + RPC_BUFFER_AT)
+        out.append(8 + rpc_tensor_size(wide) + RPC_BUFFER_AT)
     if fn in (SUPPORTS_OP, GET_ALLOC_SIZE):  # the inline tensor: its buffer handle follows the struct
         start = 8 if fn == GET_ALLOC_SIZE else 0
         if _u64(request, start + GGML_BUFFER_AT):
@@ -112,7 +115,7 @@ def handle_offsets(fn: int, request: bytes) -> list[int]:
     return out
 
 
-def adapt(fn: int, request: bytearray) -> None:
+def adapt(fn: int, request: bytearray, wide: bool = False) -> None:
     """Map resource ids to the harness's and cut sizes to its resources."""
     def cut(at: int) -> None:
         _put64(request, at, min(_u64(request, at), RES_SIZE))
@@ -123,8 +126,8 @@ def adapt(fn: int, request: bytearray) -> None:
         cut(12)
     elif fn == ALLOC_BUFFER:
         cut(8)
-    elif fn in (SET_TENSOR, GET_TENSOR) and len(request) >= 8 + RPC_TENSOR_SIZE + 20:
-        at = 8 + RPC_TENSOR_SIZE
+    elif fn in (SET_TENSOR, GET_TENSOR) and len(request) >= 8 + rpc_tensor_size(wide) + 20:
+        at = 8 + rpc_tensor_size(wide)
         U32.pack_into(request, at, RES_DATA)
         cut(at + 12)
 
@@ -210,14 +213,15 @@ GRAPHS: list[Callable[[int], Graph]] = [graph_matmul_add, graph_norm_ffn, graph_
                                         graph_transpose]
 
 
-def graph_call(graph: Graph) -> Call:
-    data = graph.serialize()
+def graph_call(graph: Graph, wide: bool = False) -> Call:
+    data = graph.serialize(wide)
     n_nodes = U32.unpack_from(data, 0)[0]
     first = 4 + 8 * n_nodes + 4
-    n_tensors = (len(data) - first) // RPC_TENSOR_SIZE
+    size = rpc_tensor_size(wide)
+    n_tensors = (len(data) - first) // size
     request = U32.pack(RES_GRAPH) + U64.pack(len(data))
     return Call(GRAPH_COMPUTE, request, res=RES_GRAPH, res_bytes=data,
-                res_handle_offsets=[first + i * RPC_TENSOR_SIZE + RPC_BUFFER_AT for i in range(n_tensors)])
+                res_handle_offsets=[first + i * size + RPC_BUFFER_AT for i in range(n_tensors)], wide=wide)
 
 
 # --- from the trace -------------------------------------------------------------------------------
@@ -229,15 +233,15 @@ def calls_from_trace(records: Iterable[trace.Record]) -> list[Call]:
     for r in records:
         if r.cmd_type != protocol.CommandType.FORWARD or not 0 <= r.cmd_flags < N_FUNCTIONS:
             continue
-        fn = r.cmd_flags
+        fn, wide = r.cmd_flags, r.wide_tensors
         if fn == GRAPH_COMPUTE:
             if last_buffer:  # the trace's graph is in shared memory: one of ours in the last buffer instead
-                calls.append(graph_call(GRAPHS[computes % len(GRAPHS)](last_buffer)))
+                calls.append(graph_call(GRAPHS[computes % len(GRAPHS)](last_buffer), wide))
                 computes += 1
             continue
         request = bytearray(r.request[protocol.COMMAND_HEADER_SIZE:])
-        adapt(fn, request)
-        call = Call(fn, bytes(request), handle_offsets=handle_offsets(fn, bytes(request)))
+        adapt(fn, request, wide)
+        call = Call(fn, bytes(request), handle_offsets=handle_offsets(fn, bytes(request), wide), wide=wide)
         if r.ok:
             call.produces = produced(fn, r.reply)
             if fn in (BUFFER_FROM_PTR, ALLOC_BUFFER) and call.produces and call.produces[0]:
@@ -246,11 +250,32 @@ def calls_from_trace(records: Iterable[trace.Record]) -> list[Call]:
     return calls
 
 
+def features_call(wide: bool) -> Call:
+    """EXT_GET_FEATURES asking for the records of that width (and EXT_GRAPH_RUN)."""
+    wanted = extensions.FEATURES if wide else extensions.FEATURE_GRAPH_RUN
+    return Call(EXT_GET_FEATURES, extensions.encode_features_request(wanted))
+
+
+def negotiated(calls: list[Call]) -> list[Call]:
+    """The calls with an EXT_GET_FEATURES before each change of width (every input starts narrow)."""
+    out: list[Call] = []
+    wide = False
+    for call in calls:
+        if call.fn == EXT_GET_FEATURES:  # one of the input's own: the width it asks for
+            wanted = extensions.decode_features_request(call.request) if len(call.request) >= 8 else None
+            wide = bool((wanted or 0) & extensions.FEATURE_WIDE_TENSORS)
+        elif call.wide != wide:
+            out.append(features_call(call.wide))
+            wide = call.wide
+        out.append(call)
+    return out
+
+
 def encode_input(calls: list[Call]) -> bytes:
     """The harness's input: handles replaced by placeholders numbered as the harness will keep them."""
     table: list[int] = []
     out = bytearray()
-    for call in calls[:MAX_CALLS]:
+    for call in negotiated(calls)[:MAX_CALLS]:
         def ref(value: int) -> int | None:
             for i in range(len(table) - 1, -1, -1):
                 if table[i] == value:
@@ -285,8 +310,9 @@ def with_producers(calls: list[Call], chosen: list[int]) -> list[Call]:
     return [calls[i] for i in sorted(keep)]
 
 
-def buffer_life(buft_call: Call | None) -> list[Call]:
-    """A buffer allocated, asked its base, cleared, written, read, copied within, freed."""
+def buffer_life(buft_call: Call | None, wide: bool = False) -> list[Call]:
+    """A buffer allocated, asked its base, cleared, written, read, copied within, freed. With `wide`,
+    its tensors are wide records, one of them 2^33 rows of stride 0 (which a narrow record cannot say)."""
     buft = buft_call.produces[0] if buft_call and buft_call.produces else 0x1000
     buffer = 0xB0FFE4
     out = [buft_call] if buft_call else []
@@ -294,50 +320,54 @@ def buffer_life(buft_call: Call | None) -> list[Call]:
     out.append(Call(ALLOC_BUFFER, U64.pack(buft) + U64.pack(size), [0], produces=[buffer]))
     out.append(Call(GET_BASE, U64.pack(buffer), [0], produces=[0xBA5E]))
     out.append(Call(CLEAR, U64.pack(buffer) + U32.pack(0x5A), [0]))
-    t = Tensor((64,), name="t", buffer=buffer, offset=256).to_rpc().to_bytes()
-    u = Tensor((64,), name="u", buffer=buffer, offset=1024).to_rpc().to_bytes()
+    shape, strides = ((64, 1 << 33), (4, 0)) if wide else ((64,), None)
+    t = Tensor(shape, name="t", buffer=buffer, offset=256, strides=strides).to_rpc().to_bytes(wide)
+    u = Tensor((64,), name="u", buffer=buffer, offset=1024).to_rpc().to_bytes(wide)
     payload = bytes(range(256))
     tail = U32.pack(RES_DATA) + U64.pack(0) + U64.pack(len(payload))
     tensor_offsets = [0, 8 + RPC_BUFFER_AT]
-    out.append(Call(SET_TENSOR, U64.pack(buffer) + t + tail, tensor_offsets, res=RES_DATA, res_bytes=payload))
-    out.append(Call(GET_TENSOR, U64.pack(buffer) + t + tail, tensor_offsets))
-    out.append(Call(CPY_TENSOR, U64.pack(buffer) + t + u, [*tensor_offsets, 8 + RPC_TENSOR_SIZE + RPC_BUFFER_AT]))
+    out.append(Call(SET_TENSOR, U64.pack(buffer) + t + tail, tensor_offsets, res=RES_DATA, res_bytes=payload,
+                    wide=wide))
+    out.append(Call(GET_TENSOR, U64.pack(buffer) + t + tail, tensor_offsets, wide=wide))
+    out.append(Call(CPY_TENSOR, U64.pack(buffer) + u + t,
+                    [*tensor_offsets, 8 + rpc_tensor_size(wide) + RPC_BUFFER_AT], wide=wide))
     out.append(Call(FREE_BUFFER, U64.pack(buffer), [0]))
     return out
 
 
-def graph_run_life(buft_call: Call | None) -> list[Call]:
+def graph_run_life(buft_call: Call | None, wide: bool = False) -> list[Call]:
     """EXT_GRAPH_RUN: a graph sent with a write and an output, the same graph named by its id with
     another write, a flush of writes alone, then the buffer freed and the id named again."""
     buft = buft_call.produces[0] if buft_call and buft_call.produces else 0x1000
     buffer = 0xB0FFE5
     out = [buft_call] if buft_call else []
-    out.append(Call(EXT_GET_FEATURES, b""))
-    out.append(Call(ALLOC_BUFFER, U64.pack(buft) + U64.pack(RES_SIZE), [0], produces=[buffer]))
+    out.append(features_call(wide) if wide else Call(EXT_GET_FEATURES, b""))
+    out.append(Call(ALLOC_BUFFER, U64.pack(buft) + U64.pack(RES_SIZE), [0], produces=[buffer], wide=wide))
     graph = graph_matmul_add(buffer)
-    data = graph.serialize()
+    data = graph.serialize(wide)
     n_nodes = U32.unpack_from(data, 0)[0]
     first = 4 + 8 * n_nodes + 4
-    n_tensors = (len(data) - first) // RPC_TENSOR_SIZE
+    record = rpc_tensor_size(wide)
+    n_tensors = (len(data) - first) // record
     leaf = graph.nodes[0].src[0]
     assert leaf is not None
-    write = U64.pack(buffer) + leaf.to_rpc().to_bytes() + U64.pack(0) + U64.pack(64) + U64.pack(len(data))
+    write = U64.pack(buffer) + leaf.to_rpc().to_bytes(wide) + U64.pack(0) + U64.pack(64) + U64.pack(len(data))
     write_offsets = [4 + 8 + 4 + 8 + 4, 4 + 8 + 4 + 8 + 4 + 8 + RPC_BUFFER_AT]
     outputs = U32.pack(RES_DATA) + U32.pack(1) + U32.pack(1) + U64.pack(0)
     res = data + bytes(range(64))
-    graph_offsets = [first + i * RPC_TENSOR_SIZE + RPC_BUFFER_AT for i in range(n_tensors)]
+    graph_offsets = [first + i * record + RPC_BUFFER_AT for i in range(n_tensors)]
 
     def run(graph_id: int, size: int, writes: int) -> bytes:
         return U64.pack(graph_id) + U32.pack(RES_GRAPH) + U64.pack(size) + U32.pack(writes) + \
             (write if writes else b"") + outputs
 
     out.append(Call(EXT_GRAPH_RUN, run(1, len(data), 1), write_offsets, res=RES_GRAPH, res_bytes=res,
-                    res_handle_offsets=graph_offsets))
-    out.append(Call(EXT_GRAPH_RUN, run(1, 0, 1), write_offsets))
+                    res_handle_offsets=graph_offsets, wide=wide))
+    out.append(Call(EXT_GRAPH_RUN, run(1, 0, 1), write_offsets, wide=wide))
     out.append(Call(EXT_GRAPH_RUN, U64.pack(0) + U32.pack(RES_GRAPH) + U64.pack(0) + U32.pack(1) + write +
-                    U32.pack(RES_DATA) + U32.pack(0), write_offsets))
-    out.append(Call(FREE_BUFFER, U64.pack(buffer), [0]))
-    out.append(Call(EXT_GRAPH_RUN, run(1, 0, 0), []))
+                    U32.pack(RES_DATA) + U32.pack(0), write_offsets, wide=wide))
+    out.append(Call(FREE_BUFFER, U64.pack(buffer), [0], wide=wide))
+    out.append(Call(EXT_GRAPH_RUN, run(1, 0, 0), [], wide=wide))
     return out
 
 
@@ -361,6 +391,14 @@ def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict
     buft = next((c for c in calls if c.fn == GET_BUFFER_TYPE and c.produces), None)
     out["buffer-life"] = encode_input(buffer_life(buft))
     out["graph-run-life"] = encode_input(graph_run_life(buft))
+    # the wide records, negotiated: their decoding, and graphs and writes in them
+    out["wide-buffer-life"] = encode_input(buffer_life(buft, wide=True))
+    out["wide-graph-run-life"] = encode_input(graph_run_life(buft, wide=True))
+    last_buffer = next((c.produces[0] for c in reversed(calls) if c.fn in (BUFFER_FROM_PTR, ALLOC_BUFFER)
+                        and c.produces and c.produces[0]), 0)
+    if last_buffer:
+        chain = with_producers(calls, [i for i, c in enumerate(calls) if c.produces and c.produces[0] == last_buffer])
+        out["wide-graph"] = encode_input([*chain, graph_call(GRAPHS[0](last_buffer), wide=True)])
     return out
 
 
