@@ -397,6 +397,32 @@ def test_host_refuses_to_start_insecurely(llama_build: llamacpp.Build, tmp_path:
     assert not_a_trace.read_text() == "my notes\n"
 
 
+
+def test_a_fifth_client_waits_until_one_of_four_leaves(llama_build: llamacpp.Build, workdir: Path) -> None:
+    """apir-host serves four clients at once (llama-server's router keeps one connection of its own);
+    a fifth stays in the listen queue, unanswered, until one of them leaves, and is then served."""
+    with apir_host(llama_build.binary("apir-host"), llama_build, workdir) as (proc, path, _log):
+        held = []
+        for _ in range(4):
+            c = Client(path)
+            c.shmem(1, REPLY_SIZE)
+            ret, _reply = c.call(HANDSHAKE, args=struct.pack("<II", 0, 2))
+            assert ret == HANDSHAKE_MAGIC
+            held.append(c)
+        fifth = Client(path)  # the kernel accepts the connection for the listen queue
+        fifth.shmem(1, REPLY_SIZE)
+        page = fifth.maps[1]
+        page[0:4] = bytes(4)
+        fifth.command(HANDSHAKE, 0, 1, struct.pack("<II", 0, 2))
+        time.sleep(2)
+        assert struct.unpack_from("<I", page, 0)[0] == 0, "a fifth client was served beside four"
+        held.pop().close()
+        wait_for("the fifth client's handshake answer", lambda: struct.unpack_from("<I", page, 0)[0] != 0, 30)
+        assert struct.unpack_from("<I", page, 0)[0] - 1 == HANDSHAKE_MAGIC
+        for c in (*held, fifth):
+            c.close()
+        assert proc.poll() is None
+
 @contextlib.contextmanager
 def llama_server(build: llamacpp.Build, model: Path, workdir: Path, socket_path: Path | None,
                  extra_env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
