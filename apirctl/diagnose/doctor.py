@@ -17,6 +17,7 @@ from apirctl import config, gpu, host, models, paths
 from apirctl.build import image, llamacpp
 from apirctl.diagnose import sysinfo
 from apirctl.errors import ApirctlError
+from apirctl.gpu import nvidia
 from apirctl.podman import engine
 from apirctl.remoting import hostloopback
 
@@ -154,6 +155,22 @@ def _passthrough() -> Check:
     return Check(name="GPU passthrough", status="warn", detail=detail, fix=fix)
 
 
+def _gpu_sharing() -> Check:
+    """Several containers on one NVIDIA GPU: each backend is a CUDA process of its own, and without
+    MPS the GPU switches between their contexts (docs/linux.md). Advice, never a warning."""
+    if host.is_macos() or not nvidia.find_driver(ldconfig_text="", smi="").gpus:
+        return Check(name="GPU sharing", status="skip", detail="no NVIDIA GPU")
+    mps = nvidia.mps_state()
+    if mps.running:
+        return Check(name="GPU sharing", status="ok",
+                     detail=f"CUDA MPS running (pid {', '.join(map(str, mps.pids))}; clients look in "
+                            f"{mps.pipe_directory}): the backends of several containers compute at once")
+    return Check(name="GPU sharing", status="ok",
+                 detail="CUDA MPS not running: the backends of several containers take turns on the GPU; "
+                        "to serve several at once, start `nvidia-cuda-mps-control -d` before "
+                        "`apirctl machine restart --remoting`")
+
+
 # Each check and the checks that must pass before it makes sense.
 CHECKS: list[tuple[str, Callable[[], Check], tuple[str, ...]]] = [
     ("podman", _podman, ()),
@@ -166,6 +183,7 @@ CHECKS: list[tuple[str, Callable[[], Check], tuple[str, ...]]] = [
     ("host GPU backend", _gpu, ()),
     ("runtime directory", _runtime_dir, ()),
     ("GPU passthrough", _passthrough, ()),
+    ("GPU sharing", _gpu_sharing, ()),
 ]
 
 

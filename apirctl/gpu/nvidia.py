@@ -36,6 +36,9 @@ SPEC_NAME = "apirctl-nvidia.yaml"
 LIBRARIES = ("libcuda.so.1", "libnvidia-ml.so.1", "libnvidia-ptxjitcompiler.so.1", "libnvidia-nvvm.so.4")
 CONTROL_NODES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 _GPU_NODE = re.compile(r"^nvidia(\d+)$")
+#: Where CUDA programs look for MPS's control daemon unless CUDA_MPS_PIPE_DIRECTORY says otherwise.
+MPS_PIPE_DEFAULT = "/tmp/nvidia-mps"
+MPS_CONTROL = "nvidia-cuda-mps-control"
 _LDCONFIG_LINE = re.compile(r"^\s*(?P<soname>\S+) \((?P<flags>[^)]*)\) => (?P<path>\S+)\s*$")
 
 
@@ -209,3 +212,31 @@ def _parent(pid: int) -> int | None:
     # the command name may hold spaces and parentheses: the fields after its last ')' are fixed
     fields = stat[stat.rfind(")") + 2:].split()
     return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+
+
+class MpsState(BaseModel):
+    """CUDA MPS on this host: with its control daemon running, the kernels of several CUDA processes
+    (one remoting backend per container) run on the GPU at once instead of taking turns."""
+
+    running: bool
+    pids: list[int] = Field(default_factory=list)
+    pipe_directory: str  # where this user's CUDA processes look for the daemon
+
+
+def mps_state(proc: Path = Path("/proc"), environ: dict[str, str] | None = None) -> MpsState:
+    """Whether MPS's control daemon runs (a process whose program is nvidia-cuda-mps-control; /proc's
+    `comm` cuts the name, so its command line is read), and where clients started from `environ` look
+    for it. A daemon on another pipe directory than the clients' is not found by them: say which."""
+    env = os.environ if environ is None else environ
+    pids = []
+    for entry in proc.iterdir() if proc.is_dir() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv0 = (entry / "cmdline").read_bytes().split(b"\0", 1)[0]
+        except OSError:
+            continue
+        if Path(argv0.decode(errors="replace")).name == MPS_CONTROL:
+            pids.append(int(entry.name))
+    return MpsState(running=bool(pids), pids=sorted(pids),
+                    pipe_directory=env.get("CUDA_MPS_PIPE_DIRECTORY") or MPS_PIPE_DEFAULT)

@@ -91,3 +91,21 @@ def test_doctor_without_podman_says_how_to_install(tmp_path: Path) -> None:
     assert podman["status"] == "fail" and "not installed" in podman["detail"]
     assert "install" in podman["fix"]
     assert check(report, "containers start")["status"] == "skip"
+
+
+def test_gpu_sharing_says_whether_mps_lets_backends_compute_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apirctl.diagnose import doctor as checks
+    from apirctl.gpu import nvidia
+
+    monkeypatch.setattr(checks.host, "is_macos", lambda: False)
+    monkeypatch.setattr(nvidia, "find_driver", lambda **_: nvidia.NvidiaDriver())
+    assert checks._gpu_sharing().status == "skip"  # no NVIDIA GPU: nothing to share
+    monkeypatch.setattr(nvidia, "find_driver", lambda **_: nvidia.NvidiaDriver(gpus={"0": "/dev/nvidia0"}))
+    monkeypatch.setattr(nvidia, "mps_state", lambda: nvidia.MpsState(running=False, pipe_directory="/tmp/nvidia-mps"))
+    off = checks._gpu_sharing()
+    assert off.status == "ok" and "not running" in off.detail and "nvidia-cuda-mps-control -d" in off.detail
+    running = nvidia.MpsState(running=True, pids=[4242], pipe_directory="/run/m")
+    monkeypatch.setattr(nvidia, "mps_state", lambda: running)
+    on = checks._gpu_sharing()
+    assert on.status == "ok" and "running (pid 4242" in on.detail and "/run/m" in on.detail
+    assert "GPU sharing" in [name for name, _fn, _needs in checks.CHECKS]

@@ -1,10 +1,13 @@
-"""The GPU memory each remoting backend holds, from the NVIDIA driver's per-process report."""
+"""The GPU memory each remoting backend holds, from the NVIDIA driver's per-process report; whether CUDA
+MPS lets several backends compute at once."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from apirctl.gpu import nvidia
 
@@ -41,3 +44,44 @@ def test_a_process_counts_its_childrens_memory() -> None:
 def test_no_driver_tool_means_no_report(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("PATH", "/nonexistent")
     assert nvidia.memory_by_process() == {}
+
+
+def fake_proc(root: Path, processes: dict[int, bytes]) -> Path:
+    """A /proc of `pid: command line` (NUL-separated, as the kernel writes it), and a file that is no process."""
+    for pid, cmdline in processes.items():
+        (root / str(pid)).mkdir(parents=True)
+        (root / str(pid) / "cmdline").write_bytes(cmdline)
+    (root / "self").mkdir(parents=True, exist_ok=True)
+    (root / "uptime").write_text("1 1\n")
+    return root
+
+
+def test_mps_is_found_by_its_programs_name_not_its_cut_comm(tmp_path: Path) -> None:
+    proc = fake_proc(tmp_path / "proc", {
+        10: b"/usr/bin/nvidia-cuda-mps-control\0-d\0",
+        11: b"nvidia-cuda-mps-server\0",  # the server the daemon starts is not the daemon
+        12: b"/usr/bin/python3\0nvidia-cuda-mps-control\0",  # the name as an argument only
+        13: b"",  # a kernel thread
+    })
+    found = nvidia.mps_state(proc, {"CUDA_MPS_PIPE_DIRECTORY": "/run/mps"})
+    assert found.running and found.pids == [10] and found.pipe_directory == "/run/mps"
+    absent = nvidia.mps_state(fake_proc(tmp_path / "none", {20: b"/usr/bin/nvidia-cuda-mps-server\0"}), {})
+    assert not absent.running and absent.pids == [] and absent.pipe_directory == nvidia.MPS_PIPE_DEFAULT
+    assert not nvidia.mps_state(tmp_path / "no-proc", {}).running
+
+
+def test_a_running_daemon_is_seen_in_the_real_proc() -> None:
+    """A real process whose program name is the daemon's (bash's `exec -a`), found among this host's."""
+    before = nvidia.mps_state()
+    daemon = subprocess.Popen(["bash", "-c", f"exec -a {nvidia.MPS_CONTROL} sleep 30"])
+    try:
+        deadline = time.monotonic() + 10
+        while daemon.pid not in (found := nvidia.mps_state()).pids:
+            assert time.monotonic() < deadline, "the stand-in daemon never showed in /proc"
+            time.sleep(0.05)
+        assert found.running
+    finally:
+        daemon.kill()
+        daemon.wait()
+    assert daemon.pid not in nvidia.mps_state().pids
+    assert nvidia.mps_state().pids == before.pids
