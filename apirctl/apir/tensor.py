@@ -33,6 +33,19 @@ FLAG_OUTPUT = 2
 FLAG_COMPUTE = 16  # set by ggml's graph builder on every node; backends skip nodes without it
 
 
+#: The fields both tensor records have after their shape and strides, in the same order.
+_RECORD_TAIL: list[tuple[str, type]] = [
+    ("op", ctypes.c_uint32),
+    ("op_params", ctypes.c_int32 * (MAX_OP_PARAMS // 4)),
+    ("flags", ctypes.c_int32),
+    ("src", ctypes.c_uint64 * MAX_SRC),
+    ("view_src", ctypes.c_uint64),
+    ("view_offs", ctypes.c_uint64),
+    ("data", ctypes.c_uint64),
+    ("name", ctypes.c_char * MAX_NAME),
+]
+
+
 class RpcTensorC(ctypes.Structure):
     """`struct apir_rpc_tensor`, 304 bytes on 64-bit hosts."""
 
@@ -42,14 +55,7 @@ class RpcTensorC(ctypes.Structure):
         ("buffer", ctypes.c_uint64),
         ("ne", ctypes.c_uint32 * MAX_DIMS),
         ("nb", ctypes.c_uint32 * MAX_DIMS),
-        ("op", ctypes.c_uint32),
-        ("op_params", ctypes.c_int32 * (MAX_OP_PARAMS // 4)),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_uint64 * MAX_SRC),
-        ("view_src", ctypes.c_uint64),
-        ("view_offs", ctypes.c_uint64),
-        ("data", ctypes.c_uint64),
-        ("name", ctypes.c_char * MAX_NAME),
+        *_RECORD_TAIL,
         ("padding", ctypes.c_char * 4),
     ]
 
@@ -64,14 +70,7 @@ class RpcTensorWideC(ctypes.Structure):
         ("buffer", ctypes.c_uint64),
         ("ne", ctypes.c_int64 * MAX_DIMS),
         ("nb", ctypes.c_uint64 * MAX_DIMS),
-        ("op", ctypes.c_uint32),
-        ("op_params", ctypes.c_int32 * (MAX_OP_PARAMS // 4)),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_uint64 * MAX_SRC),
-        ("view_src", ctypes.c_uint64),
-        ("view_offs", ctypes.c_uint64),
-        ("data", ctypes.c_uint64),
-        ("name", ctypes.c_char * MAX_NAME),
+        *_RECORD_TAIL,
     ]
 
 
