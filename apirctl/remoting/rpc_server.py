@@ -386,6 +386,17 @@ def _gpu_memory(pid: int | None, gpu: dict[int, int] | None) -> str:
     return f", GPU memory {used // 2**20} MiB" if used is not None else ""
 
 
+def gpu_sharing() -> str | None:
+    """How the containers' backends share an NVIDIA GPU (None without one): each is a CUDA process of its
+    own, which take turns on the GPU unless CUDA MPS runs (docs/linux.md)."""
+    if not nvidia.find_driver(ldconfig_text="", smi="").gpus:
+        return None
+    mps = nvidia.mps_state()
+    if mps.running:
+        return f"CUDA MPS (pid {', '.join(map(str, mps.pids))}): the backends compute at once"
+    return "time-sliced (no CUDA MPS): the backends take turns; `nvidia-cuda-mps-control -d` lets them run at once"
+
+
 def _apir_state(record: BackendRecord | None, build: Build | None) -> str:
     """Whether virtgpu containers can get an apir-host here: the build's, checked by the last restart."""
     problem = apir_hosts.host_problem(build)
@@ -414,9 +425,11 @@ def status(name: str | None = None, *, gpu_memory: bool = False) -> MachineStatu
     found = _listing() if record is not None or backends.instances() or apir_hosts.hosts() else []
     # each container's backend is a GPU context of its own: what each holds, when asked (the driver's
     # tool takes tens of milliseconds; serve's planning reads this status too)
-    gpu = nvidia.memory_by_process() if gpu_memory and (backends.instances() or apir_hosts.hosts()) else {}
+    asked = gpu_memory and bool(backends.instances() or apir_hosts.hosts())
+    gpu = nvidia.memory_by_process() if asked else {}
     own = own_backends(found, gpu) or None
-    apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found, gpu) or None}
+    apir = {"apir": _apir_state(record, build), "apir_hosts": own_apir_hosts(found, gpu) or None,
+            "gpu_sharing": gpu_sharing() if asked else None}
     if record is None:  # APIR servers do not need it: each has its apir-host (say so, they are not in trouble)
         apir_serving = ", ".join(s.name for s in found or [] if s.running and s.transport == "virtgpu" and s.apir_host)
         also = f" (virtgpu servers run on apir-hosts of their own: {apir_serving})" if apir_serving else ""

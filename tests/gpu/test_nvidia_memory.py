@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from apirctl.gpu import nvidia
 
 # nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits, with a process on two
@@ -85,3 +87,16 @@ def test_a_running_daemon_is_seen_in_the_real_proc() -> None:
         daemon.wait()
     assert daemon.pid not in nvidia.mps_state().pids
     assert nvidia.mps_state().pids == before.pids
+
+
+def test_machine_status_says_how_backends_share_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from apirctl.remoting import rpc_server
+
+    monkeypatch.setattr(nvidia, "find_driver", lambda **_: nvidia.NvidiaDriver())
+    assert rpc_server.gpu_sharing() is None  # no NVIDIA GPU: no line
+    monkeypatch.setattr(nvidia, "find_driver", lambda **_: nvidia.NvidiaDriver(gpus={"0": "/dev/nvidia0"}))
+    monkeypatch.setattr(nvidia, "mps_state", lambda: nvidia.MpsState(running=False, pipe_directory="/tmp/nvidia-mps"))
+    assert (line := rpc_server.gpu_sharing()) and line.startswith("time-sliced") and "mps-control -d" in line
+    running = nvidia.MpsState(running=True, pids=[77], pipe_directory="/tmp/nvidia-mps")
+    monkeypatch.setattr(nvidia, "mps_state", lambda: running)
+    assert rpc_server.gpu_sharing() == "CUDA MPS (pid 77): the backends compute at once"

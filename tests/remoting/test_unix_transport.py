@@ -182,6 +182,7 @@ def test_two_remoting_containers_each_on_a_backend_of_its_own(
     assert sum("GPU memory" in line for line in with_gpu) == 1
     printed = cli("machine", "status")
     assert printed.returncode == 1 and "backends:" in printed.stdout and names[0] in printed.stdout
+    assert "gpu_sharing" not in rpc_server.status(gpu_memory=True).details  # no NVIDIA GPU here: no line
 
     ps = cli("ps", "--json")
     rows = {r["name"]: r for r in json.loads(ps.stdout)}
