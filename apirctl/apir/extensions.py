@@ -45,10 +45,6 @@ WRITE_SIZE = 8 + RPC_TENSOR_SIZE + 24
 WRITE_SIZE_WIDE = 8 + RPC_TENSOR_WIDE_SIZE + 24
 
 
-def write_size(wide: bool) -> int:
-    return WRITE_SIZE_WIDE if wide else WRITE_SIZE
-
-
 @dataclass(frozen=True)
 class Write:
     """`size` bytes into a tensor at `offset`, taken from `data_offset` of the request's resource."""

@@ -104,6 +104,8 @@ NARROW_MAX = (1 << 32) - 1
 def rpc_tensor_size(wide: bool) -> int:
     """Bytes of one tensor record in the width the connection agreed on."""
     return RPC_TENSOR_WIDE_SIZE if wide else RPC_TENSOR_SIZE
+
+
 GGML_TENSOR_SIZE = ctypes.sizeof(GgmlTensorC)
 
 

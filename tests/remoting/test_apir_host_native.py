@@ -397,7 +397,6 @@ def test_host_refuses_to_start_insecurely(llama_build: llamacpp.Build, tmp_path:
     assert not_a_trace.read_text() == "my notes\n"
 
 
-
 def test_a_fifth_client_waits_until_one_of_four_leaves(llama_build: llamacpp.Build, workdir: Path) -> None:
     """apir-host serves four clients at once (llama-server's router keeps one connection of its own);
     a fifth stays in the listen queue, unanswered, until one of them leaves, and is then served."""
@@ -422,6 +421,7 @@ def test_a_fifth_client_waits_until_one_of_four_leaves(llama_build: llamacpp.Bui
         for c in (*held, fifth):
             c.close()
         assert proc.poll() is None
+
 
 @contextlib.contextmanager
 def llama_server(build: llamacpp.Build, model: Path, workdir: Path, socket_path: Path | None,
