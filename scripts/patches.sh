@@ -7,11 +7,12 @@
 #                                                per patch: clean, offset, fuzz or FAILED (a .rej is left)
 #   scripts/patches.sh build TREE BUILD [TARGET...]
 #                                                configure and build TREE with warnings on (ccache if the
-#                                                environment sets it up); default targets: cut point's
+#                                                environment sets it up); default target: ggml-rpc-server
 #   scripts/patches.sh digest TREE               the tree's digest, as llama_patches/tree.sha256 records
-#   scripts/patches.sh record TREE               the lines for llama_patches/tree.sha256: TREE must be the
+#   scripts/patches.sh record TREE               the line llama_patches/tree.sha256 takes: TREE must be the
 #                                                pinned source; the series is applied in a copy
-#   scripts/patches.sh cuts WORK [--source TREE] build every cut point of llama_patches/README.md in turn
+#   scripts/patches.sh cuts WORK [--source TREE] [--skip TARGET]...
+#                                                build every cut point of llama_patches/README.md in turn
 #                                                (the pinned source, or an unpatched TREE, copied to
 #                                                WORK/src; one build dir WORK/build, so a cut point
 #                                                recompiles only what its patches changed)
@@ -183,12 +184,14 @@ cmd_cuts() {
     local work="${1:-}" at=0 cut targets name source=""
     [ -n "$work" ] || die "cuts needs a work directory" "scripts/patches.sh cuts WORK [--source TREE]"
     shift
-    if [ "${1:-}" = "--source" ]; then
-        need_tree "${2:-}"
-        source="$2"
-    elif [ $# -gt 0 ]; then
-        die "unknown option $1" "scripts/patches.sh cuts WORK [--source TREE]"
-    fi
+    local skip=" "
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --source) need_tree "${2:-}"; source="$2"; shift 2;;
+            --skip) [ $# -ge 2 ] || die "--skip needs a target" "e.g. --skip llama-server"; skip+="$2 "; shift 2;;
+            *) die "unknown option $1" "scripts/patches.sh cuts WORK [--source TREE] [--skip TARGET]...";;
+        esac
+    done
     mkdir -p "$work"
     rm -rf "$work/src"
     if [ -n "$source" ]; then
@@ -210,9 +213,12 @@ cmd_cuts() {
             fi
         done
         at="$((10#$cut))"
-        echo "== cut after $cut: $targets"
-        # shellcheck disable=SC2086
-        cmd_build "$work/src" "$work/build" $targets
+        local wanted=() target
+        for target in $targets; do
+            [[ "$skip" == *" $target "* ]] || wanted+=("$target")
+        done
+        echo "== cut after $cut: ${wanted[*]}"
+        cmd_build "$work/src" "$work/build" "${wanted[@]}"
     done < <(cut_points)
 }
 
