@@ -6,7 +6,8 @@
 #   scripts/patches.sh apply TREE [--upto NNNN]  apply the series to TREE (in place), one report line
 #                                                per patch: clean, offset, fuzz or FAILED (a .rej is left)
 #   scripts/patches.sh build TREE BUILD [TARGET...]
-#                                                configure and build TREE with warnings on (ccache if the
+#                                                configure and build TREE with warnings on, failing on a
+#                                                warning on a line the series adds (ccache if the
 #                                                environment sets it up); default target: ggml-rpc-server
 #   scripts/patches.sh digest TREE               the tree's digest, as llama_patches/tree.sha256 records
 #   scripts/patches.sh record TREE               the line llama_patches/tree.sha256 takes: TREE must be the
@@ -156,8 +157,8 @@ configure() {  # configure TREE into BUILD for what TREE has: RPC always, APIR o
         { tail -20 "$build.configure.log"; die "cmake failed for $tree" "the log is $build.configure.log" 1; }
 }
 
-# Build TARGETs; fail on an error, and on a warning in a file the series touches (upstream's own
-# warnings are upstream's).
+# Build TARGETs; fail on an error, and on a warning on a line the series added (upstream's own
+# warnings, also in files the series touches, are upstream's).
 cmd_build() {
     local tree="${1:-}" build="${2:-}"
     need_tree "$tree"
@@ -167,17 +168,34 @@ cmd_build() {
     [ ${#targets[@]} -gt 0 ] || targets=(ggml-rpc-server)
     mkdir -p "$build"
     configure "$tree" "$build"
-    local log="$build.build.log" touched
+    local log="$build.build.log"
     if ! nice cmake --build "$build" -j "$JOBS" --target "${targets[@]}" >"$log" 2>&1; then
         grep -E 'error|Error' "$log" | head -20
         die "build of ${targets[*]} failed" "the log is $log" 1
     fi
-    touched="$(cat "$PATCHES"/0*.patch | sed -nE 's|^\+\+\+ b/(.*)$|\1|p' | sort -u)"
-    if grep -F -f <(echo "$touched") <(grep -E 'warning:' "$log") >"$build.warnings" 2>/dev/null; then
+    series_warnings "$tree" "$log" >"$build.warnings"
+    if [ -s "$build.warnings" ]; then
         cat "$build.warnings"
-        die "warnings in files the series touches" "the log is $log" 1
+        die "warnings on lines the series added" "the log is $log" 1
     fi
-    echo "built ${targets[*]}: no error, no warning in the series' files"
+    echo "built ${targets[*]}: no error, no warning on a line of the series"
+}
+
+# The warnings of LOG whose line, as it reads in TREE now, is a line some patch of the series adds.
+series_warnings() {
+    local tree="$1" log="$2" root added where file line text
+    root="$(cd "$tree" && pwd -P)"
+    added="$(mktemp)"
+    sed -n 's/^+\([^+]\)/\1/p' "$PATCHES"/0*.patch >"$added"
+    grep -oE '^[^: ]+:[0-9]+:[0-9]+: warning:' "$log" | sort -u | while IFS=: read -r file line _; do
+        where="$(cd "$(dirname "$file")" 2>/dev/null && pwd -P)/$(basename "$file")" || continue
+        case "$where" in "$root"/*) ;; *) continue;; esac
+        text="$(sed -n "${line}p" "$where")"
+        if [ -n "${text//[[:space:]]/}" ] && grep -qxF -- "$text" "$added"; then
+            grep -F "$file:$line:" "$log" | grep -m1 'warning:'
+        fi
+    done
+    rm -f "$added"
 }
 
 cmd_cuts() {
