@@ -187,7 +187,7 @@ series_warnings() {
     root="$(cd "$tree" && pwd -P)"
     added="$(mktemp)"
     sed -n 's/^+\([^+]\)/\1/p' "$PATCHES"/0*.patch >"$added"
-    grep -oE '^[^: ]+:[0-9]+:[0-9]+: warning:' "$log" | sort -u | while IFS=: read -r file line _; do
+    { grep -oE '^[^: ]+:[0-9]+:[0-9]+: warning:' "$log" || true; } | sort -u | while IFS=: read -r file line _; do
         where="$(cd "$(dirname "$file")" 2>/dev/null && pwd -P)/$(basename "$file")" || continue
         case "$where" in "$root"/*) ;; *) continue;; esac
         text="$(sed -n "${line}p" "$where")"
