@@ -2,8 +2,8 @@
 
 The pairings with upstream that users meet: RamaLama's remoting image carries upstream's frontend and
 meets the library apirctl built; apirctl's image meets the library of the macOS bundle, which is
-upstream's. On Linux both sides need the socket transport (patches 0006 and 0007), so "upstream" here
-is the series up to the one before apirctl's hardening of the host library (0013): upstream's frontend
+upstream's. On Linux both sides need the socket transport (patch 0008), so "upstream" here
+is the series up to the one before apirctl's hardening of the host library (0009): upstream's frontend
 and backend library, reached through a socket. Only the two libraries are built (about a minute on
 2 cores, cached by the patches' digest); a program of the host build runs upstream's frontend when its
 directory comes first on LD_LIBRARY_PATH.
@@ -24,7 +24,7 @@ from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
 
 #: The name of the first patch that changes upstream's APIR code rather than add the socket transport.
-FIRST_APIRCTL_PATCH = "0013-"
+FIRST_APIRCTL_PATCH = "0009-"
 
 
 def transport_patches() -> list[Path]:
