@@ -162,8 +162,9 @@ def fuzzer() -> Path:
         pytest.skip("the harness uses Linux's mmap and dlsym")
     if shutil.which("clang++") is None or shutil.which("cmake") is None:
         pytest.skip("clang++ (with libFuzzer) and cmake are needed")
-    from apirctl.build import llamacpp
+    from apirctl.build import ccache, llamacpp
     from tests.conftest import SHARED_CACHE, shared_env
+    from tests.support import native_builds
 
     with shared_env():
         src = llamacpp.source_dir()
@@ -171,7 +172,11 @@ def fuzzer() -> Path:
     build_dir = SHARED_CACHE / "apir-fuzz" / key
     exe = build_dir / "apir_dispatch_fuzz"
     if not exe.exists():
-        fuzz_build.build(src, build_dir)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # through a link in the build directory: the same relative paths for every key (ccache hits)
+        linked = ccache.link_source(src, build_dir)
+        with native_builds.ccache_in_environment(), native_builds.timed("the APIR fuzzer (clang, sanitized)"):
+            fuzz_build.build(linked, build_dir)
     return exe
 
 
