@@ -231,7 +231,7 @@ def resident_served() -> int | None:
     return int(found["served"]) if found.get("running") and "served" in found else None
 
 
-def start_resident(timeout: float = 60.0) -> int:
+def start_resident(timeout: float = 180.0) -> int:
     """Make sure the resident process runs (any command spawns it); how many commands it has run."""
     subprocess.run([*apirctl_command(), "--version"], capture_output=True, timeout=60,
                    env=dict(os.environ, APIRCTL_RESIDENT="1"))
