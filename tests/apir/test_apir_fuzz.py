@@ -187,7 +187,7 @@ def fuzzer() -> Path:
 def test_a_short_campaign_finds_nothing(fuzzer: Path, tmp_path: Path) -> None:
     """A smoke run: the committed corpus, then mutations for SMOKE_SECONDS (or 20,000 inputs): no
     sanitizer report, no signal, no abort, no leak, no slow input. The long campaigns (1e6 inputs, an
-    hour on 2 cores) are benchmarks: `python -m tests.apir.fuzz.campaign FUZZER --runs 1000000`, with
+    hour on 2 cores) are benchmarks: `python benchmarks/fuzz_apir_dispatch.py --runs 1000000`, with
     their figures in docs/reliability.md."""
     result = campaign.run(fuzzer, 20_000, tmp_path / "artifacts", seed=22, max_total_time=SMOKE_SECONDS)
     assert result.clean, f"{result.findings}\n{result.reports}\n{result.log_tail}"
