@@ -75,7 +75,7 @@ def test_answer_streams_plain_then_is_rendered(
     pane = chat_pane(tmp_path, server.url, env=env)
     try:
         pane.line("How do I double a number?")
-        assert server.wait_held()
+        assert server.wait_held(), pane.scrollback()  # the request came (the pane says what happened if not)
         # Mid-answer: the pieces so far, as plain text, as they came.
         streaming = pane.wait(r"Use \*\*twice\*\* and `int`:")
         assert "# Doubling" in streaming
