@@ -30,7 +30,7 @@ from apirctl.apir import extensions, messages, table
 from apirctl.apir import trace as apir_trace
 from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL_MAT, Graph, RpcTensor, Tensor
 from apirctl.build import llamacpp
-from tests.support import build_servers, upstream_apir
+from tests.support import build_servers, native_builds, upstream_apir
 from tests.support.build_servers import greedy_tokens
 from tests.support.waiting import wait_for
 
@@ -151,15 +151,13 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("no C++ compiler")
     src = llamacpp.source_dir()
     virtgpu = src / "ggml/src/ggml-virtgpu"
-    exe = tmp_path_factory.mktemp("asan") / "apir-host"
-    build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
-         "-Wno-unused-parameter", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-         "-fno-omit-frame-pointer", f"-I{virtgpu}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/include'}",
-         f"-I{virtgpu / 'backend'}", str(virtgpu / "host/apir-host.cpp"), "-o", str(exe), "-ldl"],
-        capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    return exe
+    return native_builds.compile_program(
+        compiler, ["-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+                   "-Wno-unused-parameter", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                   "-fno-omit-frame-pointer", f"-I{virtgpu}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/include'}",
+                   f"-I{virtgpu / 'backend'}"],
+        [virtgpu / "host/apir-host.cpp"], tmp_path_factory.mktemp("asan") / "apir-host", ["-ldl"],
+        "apir-host (sanitized)", timeout=300)
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
+from tests.support import native_builds
 from tests.support.build_servers import greedy_tokens, llama_server
 from tests.support.waiting import wait_for
 
@@ -236,18 +237,15 @@ def build_rpc_server(name: str, options: list[str]) -> Path:
     with shared_env():
         src = llamacpp.source_dir()
         build_dir = SHARED_CACHE / name / llamacpp.patches_digest()[:16]
-    exe = build_dir / "bin" / "ggml-rpc-server"
+    exe = build_dir / "cmake" / "bin" / "ggml-rpc-server"
     if not exe.exists():
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Debug",
-                     "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DGGML_RPC=ON",
-                     "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
-                     "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
-        for cmd in (configure, ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
-                                "--target", "ggml-rpc-server"]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        args = ["-DCMAKE_BUILD_TYPE=Debug", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
+                "-DGGML_RPC=ON", "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
+        build_dir.mkdir(parents=True, exist_ok=True)
+        native_builds.cmake_build(src, build_dir, args, ("ggml-rpc-server",), f"{name} (Debug, static)",
+                                  timeout=1200)
     return exe
 
 
@@ -303,14 +301,12 @@ def test_channel_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path
         pytest.skip("no C++ compiler")
     src = llamacpp.source_dir()
     test_cpp = Path(llamacpp.patch_series()[0]).parent / "tests" / "shm_channel_test.cpp"
-    exe = tmp_path / "shm_channel_test"
-    build = subprocess.run(
-        [compiler, "-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror",
-         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
-         f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/src/ggml-rpc'}",
-         str(test_cpp), str(src / "ggml/src/ggml-rpc/transport-shm.cpp"), "-o", str(exe), "-lpthread"],
-        capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
+    exe = native_builds.compile_program(
+        compiler, ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror",
+                   "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                   f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/src/ggml-rpc'}"],
+        [test_cpp, src / "ggml/src/ggml-rpc/transport-shm.cpp"], tmp_path / "shm_channel_test", ["-lpthread"],
+        "the shm channel test (sanitized)", timeout=300)
     run = subprocess.run([str(exe), "400"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1"})
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
