@@ -137,6 +137,11 @@ def serve(
         help="Unload a model after this long without requests (30s, 5m, 1h); the next request loads it "
         "again. Default: never.",
     ),
+    default_model: str = typer.Option(
+        None, "--default-model", metavar="NAME",
+        help="Several models: the one a request that names no model goes to (`apirctl ps` shows it). "
+        "Default: the first named; with --models-dir, none unless given.",
+    ),
 ) -> None:
     """Start llama-server in a container on a model (or several) and wait until it answers.
 
@@ -155,7 +160,8 @@ def serve(
     first = model or ("" if models_dir else config.settings().default_model)
     opts = lib.options(
         first, models=[first, *more] if more else None, models_dir=models_dir, models_max=models_max,
-        idle_unload=idle_unload, port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl,
+        idle_unload=idle_unload, default_model=default_model,
+        port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl,
         threads=threads, api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=llama_args,
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
         insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
@@ -355,10 +361,16 @@ def ps(
 
 
 def _models_cell(server: Any) -> str:
-    """A router's models with the state of each that is not simply unloaded (loaded, loading, sleeping)."""
+    """A router's models with the state of each that is not simply unloaded (loaded, loading, sleeping),
+    and which is the default (where a request that names no model goes)."""
     if not server.router or not server.models:
         return str(server.model)
-    return ", ".join(name if state == "unloaded" else f"{name} ({state})" for name, state in server.models.items())
+    cells = []
+    for name, state in server.models.items():
+        notes = [note for note in (state if state != "unloaded" else "",
+                                   "default" if name == server.default_model else "") if note]
+        cells.append(f"{name} ({', '.join(notes)})" if notes else name)
+    return ", ".join(cells)
 
 
 def _print_stats(servers: list[Any], json_out: bool) -> None:

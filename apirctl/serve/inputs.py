@@ -53,6 +53,7 @@ class ServeOptions(BaseModel):
     models_dir: Path | None = None  # a host directory of GGUFs the router lists (instead of `models`)
     models_max: int | None = None  # router: models loaded at once (0: no limit; default llama-server's 4)
     idle_unload: int | None = None  # seconds without requests after which a model is unloaded (None: never)
+    default_model: str | None = None  # router: where a request that names no model goes (None: the first named)
 
     @property
     def router(self) -> bool:
@@ -109,6 +110,14 @@ def _router_flags(model: str, flags: dict[str, Any]) -> dict[str, Any]:
         flags = {**flags, "models_dir": path.resolve()}
     if len(set(refs)) < len(refs):
         raise ApirctlError("a model is named twice", hint="name each model once")
+    chosen = flags.get("default_model")
+    if chosen is not None:
+        if len(refs) < 2 and directory is None:
+            raise ApirctlError("--default-model picks one of the models of a server of several",
+                               hint="name several models (`serve A B`) or give --models-dir")
+        if directory is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", chosen):
+            raise ApirctlError(f"--default-model {chosen!r} is not a model's name",
+                               hint="a name as `apirctl ps` lists it: letters, digits, '.', '_' and '-'")
     flags = {**flags, "models": refs if len(refs) > 1 else []}
     models_max = flags.get("models_max")
     if models_max is not None:
@@ -342,6 +351,7 @@ class ModelSet(BaseModel):
 
     models: list[ModelFile] = Field(default_factory=list)
     directory: Path | None = None
+    default: str | None = None  # the model a request that names none goes to (None: it must name one)
 
     @property
     def names(self) -> list[str]:
@@ -357,8 +367,8 @@ def resolve_models(opts: ServeOptions) -> ModelSet:
     """The router's models, each named as llama-server will list it (a directory's name: letters,
     digits, '.', '_' and '-'); two models of one name, or a model that does not chat, are refused
     (the router gives every model the same llama-server flags, and --embeddings is not a chat's)."""
-    if opts.models_dir is not None:
-        return ModelSet(directory=opts.models_dir)
+    if opts.models_dir is not None:  # its names are the router's to list: the default is checked once it runs
+        return ModelSet(directory=opts.models_dir, default=opts.default_model)
     found: list[ModelFile] = []
     for ref in opts.models:
         model = resolve_model(ref)
@@ -370,4 +380,17 @@ def resolve_models(opts: ServeOptions) -> ModelSet:
             raise ApirctlError(f"two of the models are called {name}", hint="serve one of them on its own, or "
                                "give one another file name")
         found.append(model.model_copy(update={"name": name}))
-    return ModelSet(models=found)
+    return ModelSet(models=found, default=_default_of(opts, found))
+
+
+def _default_of(opts: ServeOptions, found: list[ModelFile]) -> str:
+    """The router's default model: --default-model, by the name it is served under or as it was named on
+    the command line, else the first model named."""
+    chosen = opts.default_model
+    if chosen is None:
+        return found[0].name
+    for ref, model in zip(opts.models, found, strict=True):
+        if chosen in (ref, model.name):
+            return model.name
+    raise ApirctlError(f"--default-model {chosen} is not one of the models served",
+                       hint="one of: " + ", ".join(m.name for m in found))

@@ -30,6 +30,7 @@ from apirctl.podman.servers import (
     L_API,
     L_APIR,
     L_APIR_HOST,
+    L_DEFAULT_MODEL,
     L_DOCS,
     L_GPU,
     L_HOST_IP,
@@ -74,6 +75,8 @@ if TYPE_CHECKING:
 
 
 CONTAINER_PORT = 8000
+#: Where a router listens inside its container behind apirctl-front, which holds CONTAINER_PORT.
+ROUTER_PORT = 8001
 MODELS_DIR = "/models"
 LOG_TAIL_LINES = 20
 DOCS_URL = "https://github.com/ggml-org/llama.cpp/tree/master/tools/server"
@@ -144,10 +147,13 @@ SCRAPE_LABELS = {"prometheus.io/scrape": "true", "prometheus.io/port": str(CONTA
                  "prometheus.io/path": "/metrics"}
 
 
-def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, kind: str = "chat") -> dict[str, str]:
+def _labels(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str, kind: str = "chat",
+            default_model: str | None = None) -> dict[str, str]:
     remote = {L_RPC_BACKENDS: ",".join(opts.rpc_backends)} if opts.rpc_backends else {}
     if opts.router:
         remote[L_ROUTER] = "true"
+    if default_model:
+        remote[L_DEFAULT_MODEL] = default_model
     if opts.models_dir is not None:
         remote[L_MODELS_DIR] = str(opts.models_dir)
     if opts.via_ssh:
@@ -218,11 +224,13 @@ def models_max(opts: ServeOptions, plan: Plan) -> tuple[int | None, str | None]:
     return 1, f"one model loaded at a time: {why}, so a request for another model unloads the loaded one"
 
 
-def _router_command(opts: ServeOptions, plan: Plan) -> list[str]:
+def _router_command(opts: ServeOptions, plan: Plan, behind_front: bool = False) -> list[str]:
     """llama-server's router: no model of its own; it lists MODELS_DIR (a directory per model) and
-    starts a child llama-server per model on its first request, each with these flags."""
-    command = ["--models-dir", MODELS_DIR, "--host", "0.0.0.0", "--port", str(CONTAINER_PORT),
-               "--ctx-size", str(opts.ctx_size), *_shared_flags(opts)]
+    starts a child llama-server per model on its first request, each with these flags. Behind
+    apirctl-front (a default model) it listens on ROUTER_PORT inside the container only."""
+    listen = ["--host", "127.0.0.1", "--port", str(ROUTER_PORT)] if behind_front else \
+        ["--host", "0.0.0.0", "--port", str(CONTAINER_PORT)]
+    command = ["--models-dir", MODELS_DIR, *listen, "--ctx-size", str(opts.ctx_size), *_shared_flags(opts)]
     limit, _ = models_max(opts, plan)
     if limit is not None:
         command += ["--models-max", str(limit)]
@@ -415,12 +423,38 @@ def _display_name(model: Served) -> str:
     return model.name
 
 
+def _own_image(image_ref: str) -> bool:
+    """apirctl's image, which carries its health check and apirctl-front."""
+    return image_ref.startswith(image.IMAGE_REPO + ":")
+
+
+def _entrypoint(image_ref: str, default_model: str | None) -> list[str] | None:
+    """What the container runs: the image's own entry point (apirctl's image: llama-server), or
+    llama-server by name in another image; a router with a default model starts behind apirctl-front."""
+    if default_model:
+        return [image.FRONT, "--listen", str(CONTAINER_PORT), "--upstream", str(ROUTER_PORT),
+                "--model", default_model, "--", "llama-server"]
+    return None if image_ref.startswith("localhost/apirctl/") else ["llama-server"]
+
+
+def _router_default(opts: ServeOptions, model: ModelSet, image_ref: str) -> str | None:
+    """The router's default model, where its image can serve one (apirctl's carries apirctl-front)."""
+    if _own_image(image_ref):
+        return model.default
+    if opts.default_model is not None:
+        raise ApirctlError(f"--default-model needs apirctl's image, not {image_ref}",
+                           hint="leave --image out, or have each request name its model")
+    return None
+
+
 def _spec(opts: ServeOptions, plan: Plan, model: Served, name: str, image_ref: str) -> ContainerSpec:
     """The container `serve` runs (also what `--generate` writes down): one model, or the router over a set."""
+    default = None
     if isinstance(model, ModelSet):
-        command = _router_command(opts, plan)
+        default = _router_default(opts, model, image_ref)
+        command = _router_command(opts, plan, behind_front=default is not None)
         first = model.directory / "model.gguf" if model.directory is not None else model.models[0].path
-        labels = _labels(opts, plan, first, model.label)
+        labels = _labels(opts, plan, first, model.label, default_model=default)
         mounts = _router_mounts(model)
     else:
         command = _llama_command(opts, model.filename, model.name) + _model_args(opts, model)
@@ -431,7 +465,7 @@ def _spec(opts: ServeOptions, plan: Plan, model: Served, name: str, image_ref: s
         image=image_ref,
         name=name,
         command=command,
-        entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"],
+        entrypoint=_entrypoint(image_ref, default),
         labels=labels,
         mounts=mounts,
         ports={CONTAINER_PORT: (publish_ip(opts.host_ip), opts.port)},
@@ -448,7 +482,7 @@ def _healthcheck(opts: ServeOptions, image_ref: str) -> HealthCheck | None:
     """Podman's health check of our own image (which carries the program it runs): ready when
     llama-server's /health answers 200; the model's loading time (serve's --timeout) is its start
     period. Another image (--image) may lack the program: it gets none."""
-    if not image_ref.startswith(image.IMAGE_REPO + ":"):
+    if not _own_image(image_ref):
         return None
     port = str(CONTAINER_PORT)
     return HealthCheck(command=[image.HEALTH_CHECK, port], live_command=[image.HEALTH_CHECK, "--live", port],
@@ -526,7 +560,7 @@ def _start_container(opts: ServeOptions, plan: Plan, model: Served, name: str,
         base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
         attrs = _wait_ready(api, container_id, base, opts.timeout)
         if isinstance(model, ModelSet):
-            _check_router(base, model.names, opts.port)
+            _check_router(base, model.names, opts.port, spec.labels.get(L_DEFAULT_MODEL))
         else:
             _check_ours(base, f"{MODELS_DIR}/{model.filename}", opts.port)
         if instance is not None:
@@ -557,7 +591,7 @@ def _start_container(opts: ServeOptions, plan: Plan, model: Served, name: str,
         kind="chat" if isinstance(model, ModelSet) else model.kind, rpc_target=_target(plan),
         rpc_link=instance.link if instance is not None else plan.rpc_link, rpc_instance=plan.rpc_instance,
         apir_host=plan.apir_host, router=router, models_dir=str(opts.models_dir or ""),
-        models=router_models(base) if router else {},
+        models=router_models(base) if router else {}, default_model=spec.labels.get(L_DEFAULT_MODEL, ""),
     )
 
 
@@ -624,13 +658,17 @@ def _check_ours(base: str, model_path: str, port: int) -> None:
                           hint="another process took the port as this server started: stop it, or use another --port")
 
 
-def _check_router(base: str, names: list[str], port: int) -> None:
+def _check_router(base: str, names: list[str], port: int, default: str | None = None) -> None:
     """The router on the published port must be ours: it lists the models serve gave it. One that does
-    not answer /models as a router does (another image, a key it needs) is taken on trust."""
+    not answer /models as a router does (another image, a key it needs) is taken on trust. The default
+    model must be one it lists (a --models-dir's names are the router's to give)."""
     found = router_models(base)
     if found and names and not set(names) <= set(found):
         raise ServeFailed(f"port {port} answers, but from another server (its models: {', '.join(found)})",
                           hint="another process took the port as this server started: stop it, or use another --port")
+    if found and default and default not in found:
+        raise ServeFailed(f"--default-model {default} is not one of the models the server lists",
+                          hint="one of: " + ", ".join(found))
 
 
 def _wait_ready(api: PodmanApi, container_id: str, base: str, timeout: float) -> dict[str, Any]:
@@ -774,7 +812,7 @@ def _respec(attrs: dict[str, Any], plan: Plan) -> ContainerSpec:
     image_ref = str(attrs.get("ImageName") or conf.get("Image") or "")
     spec = ContainerSpec(
         image=image_ref, name=str(attrs.get("Name") or "").lstrip("/") or None, command=command[:at],
-        entrypoint=None if image_ref.startswith("localhost/apirctl/") else ["llama-server"], labels=labels,
+        entrypoint=_entrypoint(image_ref, labels.get(L_DEFAULT_MODEL)), labels=labels,
         mounts=[BindMount(source=m["Source"], target=m["Destination"], read_only=not m.get("RW", False))
                 for m in attrs.get("Mounts") or []
                 if m.get("Type") == "bind" and m.get("Destination") != backends.CONTAINER_DIR],
