@@ -423,7 +423,8 @@ def trace_of(server: str | None = None) -> Path:
             if server in (host.name, host.container) or (len(server) >= 6 and host.container.startswith(server)):
                 if not host.trace:
                     raise ApirctlError(f"the apir host of {server} does not trace",
-                                       hint="serve it with --apir-trace (or `apirctl config set apir_trace true`)")
+                                       hint="serve it with --apir-trace, or turn tracing on for every server "
+                                       "with `apirctl config`")
                 return Path(host.trace)
         raise ApirctlError(f"no apir host serves {server!r}",
                            hint="`apirctl ps` lists servers; APIR servers run with --transport virtgpu")

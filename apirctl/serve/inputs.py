@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from apirctl import config, host, models
 from apirctl.errors import ApirctlError
@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 
 class ServeOptions(BaseModel):
-    """Everything `apirctl serve` takes; defaults come from `apirctl.config`."""
+    """Everything `apirctl serve` takes; defaults come from `apirctl.config`. An unknown key is an error:
+    a misspelt option must not be dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     port: int = 1234
@@ -53,7 +56,7 @@ class ServeOptions(BaseModel):
     models_dir: Path | None = None  # a host directory of GGUFs the router lists (instead of `models`)
     models_max: int | None = None  # router: models loaded at once (0: no limit; default llama-server's 4)
     idle_unload: int | None = None  # seconds without requests after which a model is unloaded (None: never)
-    default_model: str | None = None  # router: where a request that names no model goes (None: the first named)
+    router_default: str | None = None  # --default-model: where a request naming no model goes (None: the first)
 
     @property
     def router(self) -> bool:
@@ -64,9 +67,18 @@ class ServeOptions(BaseModel):
 # --- options -----------------------------------------------------------------------------------
 
 
+#: The options whose default is a setting of `apirctl.config` of the same name: a flag left out (None)
+#: takes the setting's value (config file, environment), a flag given wins.
+SETTING_OPTIONS = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace")
+
+
 def options(model: str, **flags: Any) -> ServeOptions:
-    """ServeOptions from the effective settings (config file, environment) and the given flags."""
-    keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace")
+    """ServeOptions from the effective settings (config file, environment) and the given flags (None:
+    not given). A key that is no field of ServeOptions raises TypeError, whatever its value."""
+    unknown = sorted(set(flags) - set(ServeOptions.model_fields) - {"model"})
+    if unknown or "model" in flags:
+        raise TypeError(f"options() got unknown options: {', '.join(unknown or ['model'])}")
+    keys = SETTING_OPTIONS
     if flags.get("rpc_backends") and flags.get("gpu_devices"):
         raise ApirctlError("--rpc-backend and --gpu-device are two different transports",
                            hint="keep --gpu-device for GPU passthrough or --rpc-backend for remoting")
@@ -110,7 +122,7 @@ def _router_flags(model: str, flags: dict[str, Any]) -> dict[str, Any]:
         flags = {**flags, "models_dir": path.resolve()}
     if len(set(refs)) < len(refs):
         raise ApirctlError("a model is named twice", hint="name each model once")
-    chosen = flags.get("default_model")
+    chosen = flags.get("router_default")
     if chosen is not None:
         if len(refs) < 2 and directory is None:
             raise ApirctlError("--default-model picks one of the models of a server of several",
@@ -368,7 +380,7 @@ def resolve_models(opts: ServeOptions) -> ModelSet:
     digits, '.', '_' and '-'); two models of one name, or a model that does not chat, are refused
     (the router gives every model the same llama-server flags, and --embeddings is not a chat's)."""
     if opts.models_dir is not None:  # its names are the router's to list: the default is checked once it runs
-        return ModelSet(directory=opts.models_dir, default=opts.default_model)
+        return ModelSet(directory=opts.models_dir, default=opts.router_default)
     found: list[ModelFile] = []
     for ref in opts.models:
         model = resolve_model(ref)
@@ -386,7 +398,7 @@ def resolve_models(opts: ServeOptions) -> ModelSet:
 def _default_of(opts: ServeOptions, found: list[ModelFile]) -> str:
     """The router's default model: --default-model, by the name it is served under or as it was named on
     the command line, else the first model named."""
-    chosen = opts.default_model
+    chosen = opts.router_default
     if chosen is None:
         return found[0].name
     for ref, model in zip(opts.models, found, strict=True):

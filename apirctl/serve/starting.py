@@ -441,7 +441,7 @@ def _router_default(opts: ServeOptions, model: ModelSet, image_ref: str) -> str 
     """The router's default model, where its image can serve one (apirctl's carries apirctl-front)."""
     if _own_image(image_ref):
         return model.default
-    if opts.default_model is not None:
+    if opts.router_default is not None:
         raise ApirctlError(f"--default-model needs apirctl's image, not {image_ref}",
                            hint="leave --image out, or have each request name its model")
     return None

@@ -91,17 +91,17 @@ def test_a_router_with_a_default_model_starts_behind_the_front(tmp_path: Path) -
     assert other.entrypoint == ["llama-server"] and "apirctl.default-model" not in other.labels
     assert other.command[other.command.index("--port"):][:2] == ["--port", "8000"]
     with pytest.raises(ApirctlError, match="--default-model needs apirctl's image"):
-        starting._spec(opts.model_copy(update={"default_model": "b"}), plan, served, "r", "quay.io/x/llama:1")
+        starting._spec(opts.model_copy(update={"router_default": "b"}), plan, served, "r", "quay.io/x/llama:1")
 
 
 def test_the_default_model_is_the_first_named_or_the_one_chosen(demo_model: Path, tmp_path: Path) -> None:
     paths = [str(named_copy(demo_model, tmp_path / f"{model}.gguf")) for model in ("one", "two")]
     assert inputs.resolve_models(inputs.ServeOptions(model=paths[0], models=paths)).default == "one"
     for chosen in ("two", paths[1]):  # by its name or as it was named on the command line
-        opts = inputs.ServeOptions(model=paths[0], models=paths, default_model=chosen)
+        opts = inputs.ServeOptions(model=paths[0], models=paths, router_default=chosen)
         assert inputs.resolve_models(opts).default == "two"
     with pytest.raises(ApirctlError, match="--default-model three is not one of the models served"):
-        inputs.resolve_models(inputs.ServeOptions(model=paths[0], models=paths, default_model="three"))
+        inputs.resolve_models(inputs.ServeOptions(model=paths[0], models=paths, router_default="three"))
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("30s", 30), ("5m", 300), ("1h30m", 5400), ("1d", 86400),
