@@ -35,6 +35,7 @@ L_RPC_INSTANCE = "apirctl.rpc-instance"  # rpc: the backend instance it was star
 L_ROUTER = "apirctl.router"  # "true": llama-server's router mode, several models (L_MODEL names them, comma-separated)
 L_MODELS_DIR = "apirctl.models-dir"  # router: the host directory it lists, when given instead of models
 L_DEFAULT_MODEL = "apirctl.default-model"  # router: the model a request that names none goes to
+L_INPUTS = "apirctl.serve-inputs"  # JSON: the options, model and image it was built from (restart builds it again)
 L_APIR_HOST = "apirctl.apir-host"  # virtgpu on Linux: the id of its own apir-host (apirctl.remoting.apir_hosts)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
 L_APIR = "llama-cpp.apir"

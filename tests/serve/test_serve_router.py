@@ -22,7 +22,7 @@ import pytest
 
 from apirctl.errors import ApirctlError
 from apirctl.remoting.transport import Plan
-from apirctl.serve import ModelFile, ModelSet, inputs, starting
+from apirctl.serve import ModelFile, ModelSet, inputs, spec
 from tests.serve.conftest import apirctl, container_exists
 from tests.serve.test_serve_habits import podman_command
 from tests.support.model_sources import ollama_store
@@ -45,20 +45,20 @@ def test_router_mounts_a_directory_per_model_with_names_the_router_reads(tmp_pat
     split = ModelFile(path=tmp_path / "c1", filename="c-00001-of-00002.gguf", name="c",
                       files=[models.ModelFile(path=tmp_path / "c1", filename="c-00001-of-00002.gguf"),
                              models.ModelFile(path=tmp_path / "c2", filename="c-00002-of-00002.gguf")])
-    mounts = starting._router_mounts(ModelSet(models=[single, vision, split]))
+    mounts = spec.router_mounts(ModelSet(models=[single, vision, split]))
     assert {m.target: Path(m.source).name for m in mounts} == {
         "/models/a/model.gguf": "a.gguf",  # a name with "mmproj" in it would be taken for a projector
         "/models/b/model.gguf": "b", "/models/b/mmproj-sha256-p": "p",
         "/models/c/c-00001-of-00002.gguf": "c1", "/models/c/c-00002-of-00002.gguf": "c2",
     }
     assert all(m.read_only for m in mounts)
-    whole = starting._router_mounts(ModelSet(directory=tmp_path))
+    whole = spec.router_mounts(ModelSet(directory=tmp_path))
     assert [(m.source, m.target) for m in whole] == [(tmp_path, "/models")]
 
 
 def test_router_command_and_the_transports_that_hold_one_model(tmp_path: Path) -> None:
     opts = inputs.ServeOptions(model="a", models=["a", "b"], models_max=3, idle_unload=300, temperature=0.5)
-    command = starting._router_command(opts, Plan(transport="none", requested="none"))
+    command = spec.router_command(opts, Plan(transport="none", requested="none"))
     assert "--model" not in command and "--alias" not in command
     assert command[command.index("--models-dir"):][:2] == ["--models-dir", "/models"]
     assert command[command.index("--models-max"):][:2] == ["--models-max", "3"]
@@ -66,10 +66,10 @@ def test_router_command_and_the_transports_that_hold_one_model(tmp_path: Path) -
     assert command[command.index("--temp"):][:2] == ["--temp", "0.5"]
     rpc = Plan(transport="rpc", requested="rpc")
     with pytest.raises(ApirctlError, match="keeps one model loaded at a time"):
-        starting._router_command(opts, rpc)
-    limit, notice = starting.models_max(opts.model_copy(update={"models_max": None}), rpc)
+        spec.router_command(opts, rpc)
+    limit, notice = spec.models_max(opts.model_copy(update={"models_max": None}), rpc)
     assert limit == 1 and notice and "serves one client" in notice
-    assert starting.models_max(opts.model_copy(update={"models_max": None}), Plan(transport="gpu", requested="gpu")) \
+    assert spec.models_max(opts.model_copy(update={"models_max": None}), Plan(transport="gpu", requested="gpu")) \
         == (None, None)
 
 
@@ -80,18 +80,18 @@ def test_a_router_with_a_default_model_starts_behind_the_front(tmp_path: Path) -
     served = ModelSet(models=[ModelFile(path=tmp_path / "a.gguf", filename="a.gguf", name="a"),
                               ModelFile(path=tmp_path / "b.gguf", filename="b.gguf", name="b")], default="b")
     plan = Plan(transport="none", requested="none")
-    spec = starting._spec(opts, plan, served, "r", f"{image.IMAGE_REPO}:tag")
-    assert spec.entrypoint == [image.FRONT, "--listen", "8000", "--upstream", "8001", "--model", "b", "--",
+    built = spec.container_spec(opts, plan, served, "r", f"{image.IMAGE_REPO}:tag")
+    assert built.entrypoint == [image.FRONT, "--listen", "8000", "--upstream", "8001", "--model", "b", "--",
                                "llama-server"]
-    assert spec.command[spec.command.index("--port"):][:2] == ["--port", "8001"]
-    assert spec.command[spec.command.index("--host"):][:2] == ["--host", "127.0.0.1"]
-    assert spec.labels["apirctl.default-model"] == "b" and spec.ports == {8000: ("127.0.0.1", 4321)}
+    assert built.command[built.command.index("--port"):][:2] == ["--port", "8001"]
+    assert built.command[built.command.index("--host"):][:2] == ["--host", "127.0.0.1"]
+    assert built.labels["apirctl.default-model"] == "b" and built.ports == {8000: ("127.0.0.1", 4321)}
     # another image has no front: the router answers on the container's port, and has no default
-    other = starting._spec(opts, plan, served, "r", "quay.io/x/llama:1")
+    other = spec.container_spec(opts, plan, served, "r", "quay.io/x/llama:1")
     assert other.entrypoint == ["llama-server"] and "apirctl.default-model" not in other.labels
     assert other.command[other.command.index("--port"):][:2] == ["--port", "8000"]
     with pytest.raises(ApirctlError, match="--default-model needs apirctl's image"):
-        starting._spec(opts.model_copy(update={"router_default": "b"}), plan, served, "r", "quay.io/x/llama:1")
+        spec.container_spec(opts.model_copy(update={"router_default": "b"}), plan, served, "r", "quay.io/x/llama:1")
 
 
 def test_the_default_model_is_the_first_named_or_the_one_chosen(demo_model: Path, tmp_path: Path) -> None:
@@ -434,11 +434,11 @@ def test_generate_kube_mounts_a_models_dir_as_a_directory(tmp_path: Path) -> Non
     from apirctl.serve.units import kube
 
     (tmp_path / "a.gguf").write_bytes(b"GGUF")
-    spec = ContainerSpec(image="img", name="n", command=["--models-dir", "/models"],
-                         mounts=[*starting._router_mounts(ModelSet(directory=tmp_path)),
+    made = ContainerSpec(image="img", name="n", command=["--models-dir", "/models"],
+                         mounts=[*spec.router_mounts(ModelSet(directory=tmp_path)),
                                  BindMount(source=tmp_path / "a.gguf", target="/x/a.gguf")])
     import yaml
 
-    pod = yaml.safe_load(kube(spec))
+    pod = yaml.safe_load(kube(made))
     assert [v["hostPath"] for v in pod["spec"]["volumes"]] == [
         {"path": str(tmp_path), "type": "Directory"}, {"path": str(tmp_path / "a.gguf"), "type": "File"}]
