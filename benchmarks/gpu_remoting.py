@@ -82,14 +82,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from gpu_harness import NO_GPU, NS, VETH_HOST, VETH_NS, stop  # noqa: E402 - beside this file, on sys.path[0]
+
 PORT = 50052
 TRACE_PORT = 50060
-NS = "apirc-bench"
-VETH_HOST, VETH_NS = "10.77.0.1", "10.77.0.2"
 SLIRP_HOST_LOOPBACK = "10.0.2.2"
 #: A network namespace with no route: only a socket file reaches out (the container boundary).
 ISOLATED = ["unshare", "--net"]
-NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 #: The frontend's device is named after the host's ("[virtgpu] CUDA0", "[virtgpu] CPU"); the backend
 #: is ggml-virtgpu, and `-dev ggml-virtgpu0` is refused by llama-bench.
 VIRTGPU_PREFIX = "[virtgpu]"
@@ -155,16 +154,6 @@ def apir_per_token(records: list) -> dict:
         "wall_us_per_token": round(wall_ns / tokens / 1e3, 2),
         "failed": sum(1 for r in window if not r.ok),
     }
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End a server the run started: SIGTERM (it prints its profile and closes), then SIGKILL after 10 s."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class Runner:
