@@ -31,7 +31,6 @@ from apirctl.serve.units import quadlet as quadlet_unit
 LOG_TAIL_LINES = 20
 
 
-
 class Phase(BaseModel):
     """One step of `start` and how long it took (shown by the CLI, used by the benchmark)."""
 
