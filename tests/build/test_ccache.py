@@ -122,3 +122,25 @@ def test_a_build_of_another_cache_is_copied_in_and_that_cache_is_left_as_it_was(
     assert (copied.bin_dir / "libggml.so").is_symlink() and (copied.bin_dir / "llama-server").exists()
     assert sorted((p.relative_to(theirs), p.lstat().st_mtime_ns) for p in theirs.rglob("*")) == before
     assert llamacpp.copy_in(found) == copied  # a second time: the copy is found, nothing is copied
+
+
+@needs_tools
+def test_the_suites_builds_go_through_ccache_and_are_timed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/support/native_builds.cmake_build, as the suite's fixtures call it: a second build root
+    of the same tree compiles nothing, and both builds are logged with their time."""
+    from tests.support import native_builds
+
+    monkeypatch.setattr(native_builds, "SHARED_CACHE", tmp_path)  # the suite's builds lie under its cache
+    monkeypatch.setenv("CCACHE_DIR", str(tmp_path / "ccache"))  # this test's counts only
+    monkeypatch.delenv("CMAKE_C_COMPILER_LAUNCHER", raising=False)
+    tree = _tree(tmp_path / "src" / "llama.cpp", 1)
+    before = len(native_builds.TIMES)
+    for name in ("one", "two"):
+        (tmp_path / name).mkdir()
+        bin_dir = native_builds.cmake_build(tree, tmp_path / name, [], ("t",), f"toy {name}")
+        assert any(bin_dir.rglob("libt.so"))
+    stats = subprocess.run(["ccache", "--print-stats"], capture_output=True, text=True, check=True,
+                           env={**os.environ, "CCACHE_DIR": str(tmp_path / "ccache")}).stdout
+    counts = dict(line.split("\t") for line in stats.splitlines() if "\t" in line)
+    assert int(counts["cache_miss"]) == 2 and int(counts["direct_cache_hit"]) == 2
+    assert [what for what, _, how in native_builds.TIMES[before:]] == ["toy one", "toy two"]
