@@ -430,3 +430,15 @@ def test_buffers_past_the_cap_are_refused_and_the_child_stays_below_it(
     finally:
         c.close()
     legit_compute(path)
+
+
+def test_apirctl_starts_the_host_with_the_containers_memory_limit_as_its_cap(with_build: llamacpp.Build) -> None:
+    from apirctl.remoting import apir_hosts
+
+    host = apir_hosts.start(with_build, "capped", mem_cap=96 * MiB)
+    try:
+        environ = Path(f"/proc/{host.pid}/environ").read_bytes().split(b"\0")
+        assert f"{apir_hosts.MEM_CAP_ENV}={96 * MiB}".encode() in environ
+        assert apir_hosts.get(host.id) is not None and apir_hosts.get(host.id).mem_cap == 96 * MiB  # type: ignore[union-attr]
+    finally:
+        apir_hosts.stop(host)
