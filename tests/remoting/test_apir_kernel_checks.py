@@ -3,7 +3,7 @@
 apir-host computes a client's graph with ggml's CPU kernels, which trust the shapes, types and strides
 of their nodes. Each graph below is one a hostile client sent to today's host (issue 30): a heap
 overflow through CPY, an out-of-bounds read through FLASH_ATTN_EXT, a write past a row through ROPE,
-aborts through types the kernels lack. The library's node checks (llama_patches 0022) refuse each one,
+aborts through types the kernels lack. The library's node checks (llama_patches 0015) refuse each one,
 and the host serves the next client. A client is also held to its cap on host memory, shared and
 allocated (GGML_VIRTGPU_HOST_MEM_CAP): past it, a resource or a buffer is refused and the child's
 memory stays below it.
