@@ -52,6 +52,8 @@ SOCKET_ENV = "GGML_VIRTGPU_SOCKET"
 FRONTEND_LIBRARY = "ggml-virtgpu"
 BACKEND_LIBRARY = "ggml-virtgpu-backend"
 READY_LINE = "apir-host: listening on"
+#: The backend library's cap on the host memory one client holds, shared and allocated (bytes).
+MEM_CAP_ENV = "GGML_VIRTGPU_HOST_MEM_CAP"
 EXIT_MARK = "--- apirctl: apir-host"
 READY_TIMEOUT = 60.0
 
@@ -95,6 +97,7 @@ class Host(Supervised):
     ggml_library: str = ""
     reg: str = ""
     respawn: bool = False  # its server has a restart policy: the watcher starts a host that died again
+    mem_cap: int | None = None  # bytes of host memory each client may hold (the container's memory limit)
 
     @property
     def socket(self) -> Path:
@@ -173,7 +176,7 @@ def frontend_problem(build: Build | None) -> str | None:
 # --- starting and stopping ------------------------------------------------------------------------
 
 
-def start(build: Build, name: str, trace: bool = False, respawn: bool = False) -> Host:
+def start(build: Build, name: str, trace: bool = False, respawn: bool = False, mem_cap: int | None = None) -> Host:
     """Start an apir-host for the container (or bench run) `name` and wait until it listens.
 
     `respawn` (a server with a Podman restart policy): a host that dies is started again, so that
@@ -192,7 +195,7 @@ def start(build: Build, name: str, trace: bool = False, respawn: bool = False) -
     host = Host(id=host_id, directory=str(directory), log=str(dirs().logs / f"apir-host-{host_id}.log"),
                 trace=trace_file, started_at=time.time(), owner_pid=owner_pid, owner_start=owner_start,
                 name=name, binary=str(binary), backend_library=str(backend_library), ggml_library=str(ggml_library),
-                reg=reg, respawn=respawn)
+                reg=reg, respawn=respawn, mem_cap=mem_cap)
     try:
         directory.mkdir(mode=0o700)
         _launch(host)
@@ -223,8 +226,11 @@ def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
         fh.flush()
         since = fh.tell()
         # restore_signals=False keeps SIGPIPE ignored: a container that vanishes costs a failed write only.
+        env = {k: v for k, v in os.environ.items() if k != MEM_CAP_ENV}
+        if host.mem_cap:
+            env[MEM_CAP_ENV] = str(host.mem_cap)
         watcher = subprocess.Popen(["sh", "-c", _WATCHER, "apir-watch", str(pid_file), "1" if host.respawn else "0",
-                                    str(RESPAWN_LIMIT), *command],
+                                    str(RESPAWN_LIMIT), *command], env=env,
                                    stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
                                    start_new_session=True, restore_signals=False)
     supervised.adopt(watcher)

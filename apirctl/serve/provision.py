@@ -131,7 +131,7 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
         if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
             phase("apir host")
             apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace,
-                                    respawn=opts.restart not in (None, "no"))
+                                    respawn=opts.restart not in (None, "no"), mem_cap=opts.memory)
             plan = transport.with_apir_host(plan, apir)
         phase("image")
         image_ref = spec.image_for(opts, plan, progress, api)
