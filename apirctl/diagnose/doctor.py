@@ -190,7 +190,8 @@ def _sandbox() -> Check:
             parts.append(f"{r.server}: {r.error}")
             fixes.append("rebuild with `apirctl setup` (the selftest came with llama_patches 0023)")
             continue
-        layers = f"seccomp {'on' if r.seccomp else 'OFF'}, Landlock {f'ABI {r.landlock_abi}' if r.landlock_abi else 'OFF'}"
+        landlock = f"ABI {r.landlock_abi}" if r.landlock_abi else "OFF"
+        layers = f"seccomp {'on' if r.seccomp else 'OFF'}, Landlock {landlock}"
         allowed = f"; ALLOWED: {', '.join(r.allowed)}" if r.allowed else ""
         broken = "" if r.threads and r.memfd and r.self_ok else "; what serving needs is BROKEN"
         parts.append(f"{r.server}: {len(r.attempts) - len(r.allowed)} of {len(r.attempts)} attempts denied "

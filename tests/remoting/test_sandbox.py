@@ -67,7 +67,8 @@ def test_both_selftests_see_every_forbidden_action_denied(llama_build: llamacpp.
         assert report.error is None, report
         actions = {a.action for a in report.attempts}
         for expected in ("open a file for reading", "open a file for writing", "create a file",
-                         "write a file past RLIMIT_FSIZE", "create an IPv4 socket", "connect a held socket to 127.0.0.1",
+                         "write a file past RLIMIT_FSIZE", "create an IPv4 socket",
+                         "connect a held socket to 127.0.0.1",
                          "execve", "fork", "ptrace the parent", "unshare a network namespace",
                          "allocate past the memory cap"):
             assert expected in actions, (server, sorted(actions))
@@ -92,7 +93,8 @@ def test_a_selftest_without_the_sandbox_reports_what_is_allowed(llama_build: lla
 @pytest.mark.skipif(not kernel_has_landlock(), reason="GGML_SANDBOX=require needs both layers")
 def test_require_starts_on_a_kernel_with_both_layers(llama_build: llamacpp.Build) -> None:
     argv = sandbox.commands(llama_build)["apir-host"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=dict(os.environ, GGML_SANDBOX="require"))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, GGML_SANDBOX="require"))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "warning" not in proc.stderr
 
@@ -124,7 +126,7 @@ def assert_compromise_contained(log: Path, marks: Path, tcp: socket.socket) -> N
     wait_for("the probe to finish", lambda: "execve" in probe_lines(log), 60)
     lines = probe_lines(log)
     assert list(lines) == PROBE_ACTIONS, log.read_text(errors="replace")
-    for action, line in lines.items():
+    for line in lines.values():
         assert " denied " in line, line
         assert "(errno 1)" in line, line  # EPERM: the filter, not a missing file or a refused port
     assert sorted(p.name for p in marks.iterdir()) == [], "the probe left a mark: it wrote, forked or executed"
