@@ -52,10 +52,10 @@ def commands(build: llamacpp.Build) -> dict[str, list[str]]:
     if rpc.exists():
         out["ggml-rpc-server"] = [str(rpc), "--sandbox-selftest=json"]
     apir = build.bin_dir / "apir-host"
-    if apir.exists():
-        out["apir-host"] = [str(apir), "--sandbox-selftest=json",
-                            "--backend-library", str(build.library("ggml-virtgpu-backend")),
-                            "--ggml-library", str(build.library("ggml-cpu"))]
+    libraries = [build.bin_dir / f"lib{stem}{llamacpp.LIB_SUFFIX}" for stem in ("ggml-virtgpu-backend", "ggml-cpu")]
+    if apir.exists() and all(lib.exists() for lib in libraries):
+        out["apir-host"] = [str(apir), "--sandbox-selftest=json", "--backend-library", str(libraries[0]),
+                            "--ggml-library", str(libraries[1])]
     return out
 
 
