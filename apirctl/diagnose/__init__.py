@@ -1,4 +1,4 @@
 """`apirctl doctor` and `apirctl info`: checks with fixes (`doctor`), versions and the host
-(`sysinfo`). Submodules are imported by name."""
+(`sysinfo`), the host servers' sandbox (`sandbox`). Submodules are imported by name."""
 
-__all__ = ["doctor", "sysinfo"]
+__all__ = ["doctor", "sandbox", "sysinfo"]

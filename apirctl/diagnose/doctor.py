@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from apirctl import config, gpu, host, models, paths
 from apirctl.build import image, llamacpp
-from apirctl.diagnose import sysinfo
+from apirctl.diagnose import sandbox, sysinfo
 from apirctl.errors import ApirctlError
 from apirctl.gpu import nvidia
 from apirctl.podman import engine
@@ -29,6 +29,8 @@ class Check(BaseModel):
     status: Status
     detail: str
     fix: str | None = None
+    # what a check measured, for `--json` (the sandbox check: each server's attempts)
+    data: dict[str, object] | None = None
 
 
 class Report(BaseModel):
@@ -171,6 +173,41 @@ def _gpu_sharing() -> Check:
                         "`apirctl machine restart --remoting`")
 
 
+def _sandbox() -> Check:
+    """The host servers run each container's graphs in a sandbox: their selftests show it holds."""
+    if host.is_macos():
+        return Check(name="host sandbox", status="skip", detail="Linux host servers only")
+    build = llamacpp.current_build()
+    if build is None:
+        return Check(name="host sandbox", status="skip", detail="no llama.cpp build")
+    results = sandbox.selftests(build)
+    if not results:
+        return Check(name="host sandbox", status="skip", detail="this build has no host servers")
+    data: dict[str, object] = {r.server: r.model_dump(mode="json") for r in results}
+    parts, fixes = [], []
+    for r in results:
+        if r.error is not None:
+            parts.append(f"{r.server}: {r.error}")
+            fixes.append("rebuild with `apirctl setup` (the selftest came with llama_patches 0016)")
+            continue
+        landlock = f"ABI {r.landlock_abi}" if r.landlock_abi else "OFF"
+        layers = f"seccomp {'on' if r.seccomp else 'OFF'}, Landlock {landlock}"
+        allowed = f"; ALLOWED: {', '.join(r.allowed)}" if r.allowed else ""
+        broken = "" if r.threads and r.memfd and r.self_ok else "; what serving needs is BROKEN"
+        parts.append(f"{r.server}: {len(r.attempts) - len(r.allowed)} of {len(r.attempts)} attempts denied "
+                     f"({layers}){allowed}{broken}")
+        if not (r.seccomp and r.landlock_abi):
+            fixes.append("a kernel with seccomp-bpf and Landlock (5.13+, `lsm=landlock,...`) confines the servers")
+        elif r.allowed or broken:
+            fixes.append("report it: the sandbox of this build lets a compromised server act")
+    status: Status = "ok" if all(r.ok for r in results) else "warn"
+    if any(r.error is None and r.seccomp and (r.allowed or not (r.threads and r.memfd and r.self_ok))
+           for r in results):
+        status = "fail"
+    return Check(name="host sandbox", status=status, detail="; ".join(parts),
+                 fix="; ".join(dict.fromkeys(fixes)) or None, data=data)
+
+
 # Each check and the checks that must pass before it makes sense.
 CHECKS: list[tuple[str, Callable[[], Check], tuple[str, ...]]] = [
     ("podman", _podman, ()),
@@ -182,6 +219,7 @@ CHECKS: list[tuple[str, Callable[[], Check], tuple[str, ...]]] = [
     ("demo model", _model, ()),
     ("host GPU backend", _gpu, ()),
     ("runtime directory", _runtime_dir, ()),
+    ("host sandbox", _sandbox, ("llama.cpp build",)),
     ("GPU passthrough", _passthrough, ()),
     ("GPU sharing", _gpu_sharing, ()),
 ]
