@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux
 ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR, GRAPH_COMPUTE, HELLO, DEVICE_COUNT = 0, 3, 6, 8, 10, 14, 15
 SUPPORTS_OP = 22
 FEATURE_SUPPORTS_OP = 0x01  # rpc_msg_hello_rsp.features
+FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: backends skip a node without it
 F32, F16, Q8_0, IQ2_XXS, I32, BF16 = 0, 1, 8, 16, 26, 30
 BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), BF16: (2, 1), Q8_0: (34, 32), IQ2_XXS: (66, 256)}  # bytes, elements
 OP_NONE, OP_ADD, OP_RMS_NORM, OP_MUL_MAT, OP_CPY, OP_ROPE = 0, 2, 25, 29, 34, 48
@@ -66,7 +67,8 @@ def tensor(tid: int, type_: int, ne: Sequence[int], buffer: int = 0, data: int =
         nb = [size, size * ne[0] // block]
         for i in range(2, 4):
             nb.append(nb[i - 1] * ne[i - 1])
-    return TENSOR.pack(tid, type_, buffer, *ne, *nb, op, *(list(params) + [0] * (16 - len(params))), 0,
+    flags = FLAG_COMPUTE if op != OP_NONE else 0
+    return TENSOR.pack(tid, type_, buffer, *ne, *nb, op, *(list(params) + [0] * (16 - len(params))), flags,
                        *(list(src) + [0] * (10 - len(src))), 0, 0, data, b"", 1)
 
 
@@ -86,7 +88,7 @@ class Session:
         return tensor(tid, type_, ne, buffer=self.remote, data=self.base + offset, **kw)  # type: ignore[arg-type]
 
     def set(self, t: bytes, values: bytes) -> None:
-        send(self.sock, SET_TENSOR, t + struct.pack("<Q", 0) + values)
+        send(self.sock, SET_TENSOR, t + struct.pack("<BQ", 0, 0) + values)  # no cache flag, offset 0
 
     def get(self, t: bytes, size: int) -> bytes:
         return request(self.sock, GET_TENSOR, t + struct.pack("<QQ", 0, size))
