@@ -9,7 +9,8 @@ source (`ggml/src/ggml-rpc/ggml-rpc.cpp`, protocol 7):
 - response, for the commands that have one: payload size (u64), payload;
 - the first command of a connection must be HELLO, whose payload is 24 bytes of
   transport capabilities (zeros: plain TCP) and whose answer is major, minor,
-  patch, one padding byte and the server's 24 capability bytes;
+  patch, a features byte (padding upstream; bit 0 = SUPPORTS_OP, llama_patches 0018)
+  and the server's 24 capability bytes;
 - DEVICE_COUNT has no payload and answers a u32; GET_DEVICE_MEMORY takes a u32
   device index and answers free and total bytes (two u64).
 

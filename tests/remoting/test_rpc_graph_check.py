@@ -1,0 +1,217 @@
+"""A hostile RPC client against a real `ggml-rpc-server` on the CPU (llama_patches/ 0018).
+
+The server deserializes a client's graph and computes it with ggml's kernels, which trust shapes and
+types that only ggml's op constructors check. A graph the device does not support, or that breaks
+what a kernel assumes, must be refused before it computes: the server drops that connection (the
+protocol's answer to a bad command, GRAPH_COMPUTE has no reply) and serves the next client, whose
+valid graph computes. The server also answers SUPPORTS_OP, so an honest client never sends such a
+node.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from tests.support.waiting import wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Unix socket")]
+
+# commands and constants of the protocol (their numbers in ggml-rpc.cpp / ggml.h of the pinned source)
+ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR, GRAPH_COMPUTE, HELLO, DEVICE_COUNT = 0, 3, 6, 8, 10, 14, 15
+SUPPORTS_OP = 22
+FEATURE_SUPPORTS_OP = 0x01  # rpc_msg_hello_rsp.features
+FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: backends skip a node without it
+F32, F16, Q8_0, IQ2_XXS, I32, BF16 = 0, 1, 8, 16, 26, 30
+BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), BF16: (2, 1), Q8_0: (34, 32), IQ2_XXS: (66, 256)}  # bytes, elements
+OP_NONE, OP_ADD, OP_RMS_NORM, OP_MUL_MAT, OP_CPY, OP_ROPE = 0, 2, 25, 29, 34, 48
+# rpc_tensor: id, type, buffer, ne[4], nb[4], op, op_params[16], flags, src[10], view_src, view_offs, data,
+# name[64], use_count
+TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
+assert TENSOR.size == 296
+BUFFER_SIZE = 1 << 20
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def send(sock: socket.socket, cmd: int, payload: bytes = b"") -> None:
+    sock.sendall(bytes([cmd]) + struct.pack("<Q", len(payload)) + payload)
+
+
+def request(sock: socket.socket, cmd: int, payload: bytes = b"") -> bytes:
+    send(sock, cmd, payload)
+    (size,) = struct.unpack("<Q", recv_exact(sock, 8))
+    return recv_exact(sock, size)
+
+
+def tensor(tid: int, type_: int, ne: Sequence[int], buffer: int = 0, data: int = 0, op: int = OP_NONE,
+           src: Sequence[int] = (), params: Sequence[int] = (), nb: Sequence[int] | None = None) -> bytes:
+    ne = list(ne) + [1] * (4 - len(ne))
+    if nb is None:
+        size, block = BLOCK[type_]
+        nb = [size, size * ne[0] // block]
+        for i in range(2, 4):
+            nb.append(nb[i - 1] * ne[i - 1])
+    flags = FLAG_COMPUTE if op != OP_NONE else 0
+    return TENSOR.pack(tid, type_, buffer, *ne, *nb, op, *(list(params) + [0] * (16 - len(params))), flags,
+                       *(list(src) + [0] * (10 - len(src))), 0, 0, data, b"", 1)
+
+
+class Session:
+    """One client connection with a 1 MiB CPU buffer; tensors are placed at offsets in it."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.settimeout(30)
+        self.sock.connect(str(path))
+        answer = request(self.sock, HELLO, bytes(24))
+        self.features = answer[3]
+        self.remote, _ = struct.unpack("<QQ", request(self.sock, ALLOC_BUFFER, struct.pack("<IQ", 0, BUFFER_SIZE)))
+        (self.base,) = struct.unpack("<Q", request(self.sock, BUFFER_GET_BASE, struct.pack("<Q", self.remote)))
+
+    def at(self, tid: int, type_: int, ne: Sequence[int], offset: int, **kw: object) -> bytes:
+        return tensor(tid, type_, ne, buffer=self.remote, data=self.base + offset, **kw)  # type: ignore[arg-type]
+
+    def set(self, t: bytes, values: bytes) -> None:
+        send(self.sock, SET_TENSOR, t + struct.pack("<BQ", 0, 0) + values)  # no cache flag, offset 0
+
+    def get(self, t: bytes, size: int) -> bytes:
+        return request(self.sock, GET_TENSOR, t + struct.pack("<QQ", 0, size))
+
+    def compute(self, nodes: Sequence[int], tensors: Sequence[bytes]) -> None:
+        payload = struct.pack("<II", 0, len(nodes)) + struct.pack(f"<{len(nodes)}Q", *nodes)
+        send(self.sock, GRAPH_COMPUTE, payload + struct.pack("<I", len(tensors)) + b"".join(tensors))
+
+    def closed_by_server(self) -> bool:
+        """True when the server dropped the connection (a further request gets no answer)."""
+        try:
+            request(self.sock, DEVICE_COUNT)
+        except (ConnectionError, OSError):
+            return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def server(llama_build, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:  # type: ignore[no-untyped-def]
+    path, log = tmp_path / "rpc.sock", tmp_path / "rpc.log"
+
+    def connects() -> bool:
+        with socket.socket(socket.AF_UNIX) as s:
+            try:
+                s.connect(str(path))
+            except OSError:
+                return False
+        return True
+
+    with log.open("wb") as out:
+        proc = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", f"unix:{path}", "-d", "CPU",
+                                 "-t", "1"], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_for("the rpc server's socket", lambda: path.exists() and connects(), 60)
+        yield proc, path, log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def add_computes(path: Path) -> None:
+    """A valid graph on a fresh connection: c = a + b, read back."""
+    s = Session(path)
+    try:
+        a, b, c = (s.at(i + 1, F32, [4], 16 * i) for i in range(3))
+        c = s.at(3, F32, [4], 32, op=OP_ADD, src=[1, 2])
+        s.set(a, array.array("f", [1, 2, 3, 4]).tobytes())
+        s.set(b, array.array("f", [10, 20, 30, 40]).tobytes())
+        s.compute([3], [a, b, c])
+        assert list(array.array("f", s.get(c, 16))) == [11, 22, 33, 44]
+    finally:
+        s.close()
+
+
+def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
+    """Graphs of one node each; every one crashed, aborted or corrupted a CPU server before 0018."""
+    f32 = s.at(1, F32, [4096], 0)
+    assert FEATURE_SUPPORTS_OP & s.features
+    return {
+        # IQ2_XXS has no conversion from float on the CPU: a call through a NULL pointer
+        "cpy-to-a-type-without-conversion": ([2], [s.at(1, F32, [256, 16], 0),
+                                                   s.at(2, IQ2_XXS, [256, 16], 65536, op=OP_CPY, src=[1, 3]),
+                                                   s.at(3, IQ2_XXS, [256, 16], 65536)]),
+        # the CPU converts src1 as if it were of src0's dot type: reads past it
+        "mul-mat-of-unsupported-types": ([3], [s.at(1, F16, [64, 4], 0), s.at(2, BF16, [64, 4], 4096),
+                                               s.at(3, F32, [4, 4], 8192, op=OP_MUL_MAT, src=[1, 2])]),
+        # the CPU's RMS_NORM aborts on F16
+        "rms-norm-on-f16": ([2], [s.at(1, F16, [64], 0), s.at(2, F16, [64], 4096, op=OP_RMS_NORM, src=[1])]),
+        # rows of 4096 floats quantized into a work buffer sized for rows of 32: a heap overflow
+        "cpy-rows-unlike-the-destination": ([2], [s.at(1, F32, [4096, 1], 0),
+                                                  s.at(2, Q8_0, [32, 128], 65536, op=OP_CPY, src=[1, 3]),
+                                                  s.at(3, Q8_0, [32, 128], 65536)]),
+        # pairs rotated in a row of odd length: one element past the end
+        "rope-of-an-odd-row": ([3], [s.at(1, F32, [3, 1, 1], 0), s.at(2, I32, [1], 4096),
+                                     s.at(3, F32, [3, 1, 1], 8192, op=OP_ROPE, src=[1, 2], params=[0, 2])]),
+        # 2^36 rows in 16 bytes (zero strides): the work buffer's size wraps
+        "mul-mat-of-zero-strides": ([3], [s.at(1, F32, [4, 16], 0),
+                                          s.at(2, F16, [4, 1 << 20, 1 << 16], 4096, nb=[2, 0, 0, 0]),
+                                          s.at(3, F32, [16, 1 << 20, 1 << 16], 8192, op=OP_MUL_MAT, src=[1, 2],
+                                               nb=[4, 0, 0, 0])]),
+        # a node without a buffer: the kernel writes through a NULL data pointer
+        "node-without-a-buffer": ([2], [f32, tensor(2, F32, [4096], op=OP_ADD, src=[1, 1])]),
+    }
+
+
+def test_the_server_says_it_answers_supports_op(server) -> None:  # type: ignore[no-untyped-def]
+    _, path, _ = server
+    s = Session(path)
+    try:
+        assert s.features & FEATURE_SUPPORTS_OP
+
+        def supports(node: bytes, *srcs: bytes) -> int:
+            srcs_bytes = b"".join(srcs) + bytes(TENSOR.size * (10 - len(srcs)))
+            return request(s.sock, SUPPORTS_OP, struct.pack("<I", 0) + node + srcs_bytes)[0]
+
+        a, b = tensor(2, F32, [64]), tensor(3, F32, [64])
+        assert supports(tensor(1, F32, [64], op=OP_ADD, src=[2, 3]), a, b) == 1
+        assert supports(tensor(1, IQ2_XXS, [256], op=OP_CPY, src=[2, 3]), tensor(2, F32, [256]),
+                        tensor(3, IQ2_XXS, [256])) == 0
+        assert supports(tensor(1, F16, [64], op=OP_RMS_NORM, src=[2]), tensor(2, F16, [64])) == 0
+        assert supports(tensor(1, F32, [3], op=OP_ROPE, src=[2, 3], params=[0, 2]), tensor(2, F32, [3]),
+                        tensor(3, I32, [1])) == 0
+        assert not s.closed_by_server()  # answers, never a dropped connection, for a well-formed question
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("name", ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-types",
+                                  "rms-norm-on-f16", "cpy-rows-unlike-the-destination", "rope-of-an-odd-row",
+                                  "mul-mat-of-zero-strides", "node-without-a-buffer"])
+def test_a_graph_the_kernels_cannot_run_is_refused_and_the_server_serves_on(server, name: str) -> None:  # type: ignore[no-untyped-def]
+    proc, path, log = server
+    add_computes(path)
+    s = Session(path)
+    try:
+        nodes, tensors = hostile_graphs(s)[name]
+        s.compute(nodes, tensors)
+        assert s.closed_by_server()
+    finally:
+        s.close()
+    wait_for("the refusal in the server's log", lambda: "graph refused" in log.read_text(errors="replace"), 10)
+    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+    add_computes(path)
