@@ -4,19 +4,20 @@
 // Each input is one client session of real forwarded calls through apir_backend_dispatcher:
 //
 //     [EXT_GET_FEATURES asking for wide records, when bit 0 of the input's first byte is set]
-//     BUFFER_TYPE_ALLOC_BUFFER   a buffer of exactly the bytes the graph's tensors take
-//     BUFFER_SET_TENSOR          the leaves' contents, from shared resource 1
+//     BUFFER_TYPE_ALLOC_BUFFER   per tensor (not views): a buffer of exactly its bytes
+//     BUFFER_SET_TENSOR          per buffer: its contents (the leaves'), from shared resource 1
 //     BACKEND_GRAPH_COMPUTE      the serialized graph, from shared resource 2
-//     BUFFER_FREE_BUFFER
+//     BUFFER_FREE_BUFFER         per buffer
 //
 // so the library's decoders, its node checks (backend-node-check.cpp) and then ggml's CPU kernels
 // run on every graph the checks accept. Built with clang -fsanitize=fuzzer,address,undefined
 // against libraries compiled with -fsanitize=address,undefined,fuzzer-no-link (build.py).
 //
 // Environment: APIR_FUZZ_GGML_LIBRARY (default libggml-cpu.so next to the backend library),
-// GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph.
+// GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph.
 
 #include "graph_gen.h"
+#include "ggml-backend.h"
 
 #include <dlfcn.h>
 #include <sys/mman.h>
@@ -100,6 +101,10 @@ struct resource {
 
 resource    resources[] = { { RES_DATA, nullptr }, { RES_GRAPH, nullptr } };
 bool        describe_graphs = false;
+bool        keep_backend    = false;
+// the library's own backend and device (backend-dispatched.cpp), exported
+ggml_backend_t *     library_bck = nullptr;
+ggml_backend_dev_t * library_dev = nullptr;
 std::string ggml_library;
 uint64_t    buft_id = 0;
 size_t      accepted[GGML_OP_COUNT], tried[GGML_OP_COUNT], computed = 0, inputs = 0;
@@ -175,13 +180,13 @@ uint64_t reply_u64(const std::vector<uint8_t> & reply) {
     return v;
 }
 
-apir_rpc_tensor_wide record(const gfuzz::graph & g, int i, uint64_t buffer) {
+apir_rpc_tensor_wide record(const gfuzz::graph & g, int i, const std::vector<uint64_t> & buffers) {
     const gfuzz::tensor & t = g.t[i];
     apir_rpc_tensor_wide  w;
     memset(&w, 0, sizeof(w));
     w.id     = (uint64_t) i + 1;
     w.type   = t.type;
-    w.buffer = buffer;
+    w.buffer = t.buffer >= 0 ? buffers[t.buffer] : 0;
     for (int d = 0; d < GGML_MAX_DIMS; d++) {
         w.ne[d] = t.ne[d];
         w.nb[d] = t.nb[d];
@@ -222,6 +227,29 @@ void put_record(writer & out, const apir_rpc_tensor_wide & w, bool wide) {
     n.data      = w.data;
     memcpy(n.name, w.name, sizeof(n.name));
     out.put(n);
+}
+
+// The library's backend, replaced by a new one before each graph: apir-host forks a child per client,
+// so each client starts with a backend of its own, and the CPU backend's work buffer (which only
+// grows) is then sized by this graph alone -- a kernel that writes past what the plan gave it leaves
+// the buffer. One thread: the plan's work buffer has no other thread's part after this one's.
+void fresh_backend() {
+    if (keep_backend || !library_bck || !library_dev || !*library_dev) {
+        return;
+    }
+    if (*library_bck) {
+        ggml_backend_free(*library_bck);
+    }
+    *library_bck = ggml_backend_dev_init(*library_dev, nullptr);
+    if (!*library_bck) {
+        fprintf(stderr, "apir-graph-fuzz: the device gives no new backend\n");
+        abort();
+    }
+    auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(*library_dev), "ggml_backend_set_n_threads");
+    if (set_threads) {
+        set_threads(*library_bck, 1);
+    }
 }
 
 void set_features(uint64_t wanted) {
@@ -276,6 +304,12 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         fprintf(stderr, "apir-graph-fuzz: no buffer type\n");
         abort();
     }
+    keep_backend = getenv("GFUZZ_KEEP_BACKEND") != nullptr;
+    library_bck  = (ggml_backend_t *) dlsym(RTLD_DEFAULT, "bck");
+    library_dev  = (ggml_backend_dev_t *) dlsym(RTLD_DEFAULT, "dev");
+    if (!keep_backend && (!library_bck || !library_dev)) {
+        fprintf(stderr, "apir-graph-fuzz: the library does not export its backend: one backend for all inputs\n");
+    }
     atexit(print_stats);
     return 0;
 }
@@ -294,39 +328,45 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         set_features(FEATURE_GRAPH_RUN | FEATURE_WIDE);
     }
 
-    writer alloc;
-    alloc.put(buft_id);
-    alloc.put((uint64_t) g.size);
-    std::vector<uint8_t> reply;
-    uint64_t             buffer = 0;
-    if (!call(CMD_ALLOC_BUFFER, alloc.bytes, &reply) || (buffer = reply_u64(reply)) == 0) {
-        fprintf(stderr, "apir-graph-fuzz: a buffer of %zu bytes was refused\n", g.size);
-        abort();
-    }
+    // a buffer per tensor (views share their source's), each filled with one transfer of its bytes
+    std::vector<uint64_t> buffers;
+    for (size_t b = 0; b < g.sizes.size(); b++) {
+        writer alloc;
+        alloc.put(buft_id);
+        alloc.put((uint64_t) g.sizes[b]);
+        std::vector<uint8_t> reply;
+        uint64_t             buffer = 0;
+        if (!call(CMD_ALLOC_BUFFER, alloc.bytes, &reply) || (buffer = reply_u64(reply)) == 0) {
+            fprintf(stderr, "apir-graph-fuzz: a buffer of %zu bytes was refused\n", g.sizes[b]);
+            abort();
+        }
+        buffers.push_back(buffer);
 
-    // the leaves' contents: one transfer of the whole buffer, as bytes
-    memcpy(resources[0].ptr, g.data.data(), g.size);
-    gfuzz::tensor whole;
-    whole.type = GGML_TYPE_I8;
-    whole.ne[0] = (int64_t) g.size;
-    whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
-    whole.nb[0] = 1;
-    whole.nb[1] = whole.nb[2] = whole.nb[3] = g.size;
-    for (int & s : whole.src) {
-        s = -1;
+        memcpy(resources[0].ptr, g.data[b].data(), g.sizes[b]);
+        gfuzz::tensor whole;
+        whole.type  = GGML_TYPE_I8;
+        whole.ne[0] = (int64_t) g.sizes[b];
+        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
+        whole.nb[0] = 1;
+        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
+        whole.buffer = 0;
+        for (int & src : whole.src) {
+            src = -1;
+        }
+        gfuzz::graph one;
+        one.t.push_back(whole);
+        writer set;
+        set.put(buffer);
+        put_record(set, record(one, 0, { buffer }), wide);
+        set.put(RES_DATA);
+        set.put((uint64_t) 0);
+        set.put((uint64_t) g.sizes[b]);
+        if (!call(CMD_SET_TENSOR, set.bytes)) {
+            fprintf(stderr, "apir-graph-fuzz: set_tensor of a whole buffer was refused\n");
+            abort();
+        }
     }
-    gfuzz::graph one;
-    one.t.push_back(whole);
-    writer set;
-    set.put(buffer);
-    put_record(set, record(one, 0, buffer), wide);
-    set.put(RES_DATA);
-    set.put((uint64_t) 0);
-    set.put((uint64_t) g.size);
-    if (!call(CMD_SET_TENSOR, set.bytes)) {
-        fprintf(stderr, "apir-graph-fuzz: set_tensor of the whole buffer was refused\n");
-        abort();
-    }
+    fresh_backend();
 
     writer graph;
     graph.put((uint32_t) g.nodes.size());
@@ -335,7 +375,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     }
     graph.put((uint32_t) g.t.size());
     for (size_t i = 0; i < g.t.size(); i++) {
-        put_record(graph, record(g, (int) i, buffer), wide);
+        put_record(graph, record(g, (int) i, buffers), wide);
     }
     memcpy(resources[1].ptr, graph.bytes.data(), graph.bytes.size());
     writer compute;
@@ -350,9 +390,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     }
     computed += ok;
 
-    writer free_req;
-    free_req.put(buffer);
-    call(CMD_FREE_BUFFER, free_req.bytes);
+    for (uint64_t buffer : buffers) {
+        writer free_req;
+        free_req.put(buffer);
+        call(CMD_FREE_BUFFER, free_req.bytes);
+    }
     if (wide) {
         set_features(FEATURE_GRAPH_RUN);
     }

@@ -50,7 +50,8 @@ def build_libraries(src: Path, build_dir: Path, jobs: int = 2) -> Path:
     cc, cxx = clang()
     flags = " ".join(LIBRARY_FLAGS)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    launcher = ["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"] if shutil.which("ccache") else []
+    launcher = (["-DCMAKE_C_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
+                if shutil.which("ccache") else [])
     configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *launcher, "-DCMAKE_BUILD_TYPE=Debug",
                  f"-DCMAKE_C_COMPILER={cc}", f"-DCMAKE_CXX_COMPILER={cxx}",
                  f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}",

@@ -223,7 +223,7 @@ def summary(found: list[Finding], start: float) -> dict[str, object]:
     distinct: dict[str, dict[str, object]] = {}
     rediscovered: dict[str, dict[str, object]] = {}
     for f in found:
-        entry = distinct.setdefault(f.signature, {"count": 0, "first": f.path, "nodes": f.nodes,
+        entry = distinct.setdefault(f.signature, {"count": 0, "first": Path(f.path).name, "nodes": f.nodes,
                                                   "seconds": round(f.mtime - start, 1)})
         entry["count"] = int(entry["count"]) + 1  # type: ignore[call-overload]
         key = issue_finding(f)

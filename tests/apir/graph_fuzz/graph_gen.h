@@ -12,8 +12,8 @@
 // 1 + d % 48 below 0xef, the next two bytes (little-endian) after 0xef, and 0, 3, 4096, 2^16, 2^20, 2^24, 2^30 and 2^31 - 1 above. seeds.py writes
 // programs in this form (the committed corpus: hand-made per op, and the nodes of a real trace).
 //
-// Every tensor gets its own aligned place in one buffer of exactly the bytes they need, so a kernel
-// that reads or writes past the last one leaves the buffer (AddressSanitizer sees it). Leaves are
+// Every tensor that is not a view gets a buffer of its own of exactly its bytes, so a kernel that
+// reads or writes past a tensor leaves its buffer (AddressSanitizer sees it). Leaves are
 // filled with bounded values (indices mostly in range) from data_seed: findings are about shapes,
 // not about NaN.
 
@@ -70,7 +70,8 @@ struct tensor {
     int       src[GGML_MAX_SRC];
     int       view_src  = -1;
     size_t    view_offs = 0;
-    size_t    offset    = 0;  // in the buffer
+    int       buffer    = -1;  // which of the graph's buffers holds it
+    size_t    offset    = 0;   // in that buffer
     bool      node      = false;
     int64_t   index_limit = 0;  // a leaf of indices: the values to put in it are below this
 };
@@ -78,8 +79,9 @@ struct tensor {
 struct graph {
     std::vector<tensor>  t;
     std::vector<int>     nodes;
-    size_t               size = 0;  // of the buffer
-    std::vector<uint8_t> data;      // the buffer's contents after the leaves are set
+    std::vector<size_t>               sizes;  // of the buffers
+    std::vector<std::vector<uint8_t>> data;   // each buffer's contents after the leaves are set
+    size_t                            total = 0;
 };
 
 constexpr size_t ALIGN          = 32;
@@ -151,13 +153,13 @@ struct builder {
     int add(tensor x, bool allocate) {
         if (allocate) {
             const size_t n = nbytes(x);
-            if (g.size + n > MAX_BUFFER) {
+            if (g.total + n > MAX_BUFFER) {
                 too_big = true;
-                x.offset = 0;
             } else {
-                g.size   = (g.size + ALIGN - 1) / ALIGN * ALIGN;
-                x.offset = g.size;
-                g.size += n;
+                x.buffer = (int) g.sizes.size();
+                x.offset = 0;
+                g.sizes.push_back(n > 0 ? n : 1);  // a buffer of no bytes has no memory to name
+                g.total += n;
             }
         }
         g.t.push_back(x);
@@ -270,8 +272,13 @@ struct builder {
             int64_t ne[4] = { g.t[a].ne[0], ne1, g.t[a].ne[2], g.t[a].ne[3] };
             size_t  nb[4] = { g.t[a].nb[0], g.t[a].nb[1] * 2, g.t[a].nb[2], g.t[a].nb[3] };
             if (how & 0x80) {
+                // a broadcast: rows (and with bit 6, matrices) read again, as many times as the guest says
                 nb[1] = 0;
                 ne[1] = r.dim();
+                if (how & 0x40) {
+                    nb[2] = 0;
+                    ne[2] = r.dim();
+                }
             }
             int v           = view(a, GGML_OP_VIEW, ne, nb, 0);
             g.t[v].src[0]   = a;
@@ -361,7 +368,8 @@ struct builder {
 
     int rope() {
         ggml_type t      = r.chance(3) ? GGML_TYPE_F16 : GGML_TYPE_F32;
-        int64_t   ne0    = 2 * (1 + r.u8() % 32), heads = 1 + r.u8() % 4, tokens = 1 + r.u8() % 6;
+        const uint8_t e  = r.u8();  // the head's size: even, but odd at the top of the byte's range
+        int64_t   ne0    = 2 * (1 + e % 32) + (e >= 0xf8 ? 1 : 0), heads = 1 + r.u8() % 4, tokens = 1 + r.u8() % 6;
         int       a      = source(t, ne0, heads, tokens, 1);
         int       pos    = leaf(GGML_TYPE_I32, g.t[a].ne[2], 1, 1, 1, 4096);
         int       ff     = -1;
@@ -390,7 +398,9 @@ struct builder {
         ggml_type kt = r.chance(3) ? GGML_TYPE_F16 : (r.chance(2) ? GGML_TYPE_Q8_0 : GGML_TYPE_F32);
         int q = source(GGML_TYPE_F32, d, n_q, h, 1);
         int k = source(kt, d, n_kv, h_kv, 1);
-        int v = source(kt, dv, n_kv, h_kv, 1);
+        // V's heads are K's, or now and then a count of their own (0 to 4)
+        const uint8_t vh = r.u8();
+        int v = source(kt, dv, n_kv, vh % 8 == 7 ? vh / 8 % 5 : h_kv, 1);
         int mask = -1, sinks = -1;
         const uint8_t what = r.u8();
         if (what & 1) {
@@ -528,7 +538,7 @@ struct builder {
             case 4: t.params[(which >> 2) % 16] ^= (int32_t) value; break;
             case 5: t.ne[i] = (int64_t) value; break;                  // large
             case 6: std::swap(t.ne[i], t.ne[(i + 1) % 4]); break;
-            case 7: t.view_offs += ALIGN * (value % 4); t.offset += ALIGN * (value % 4); break;
+            case 7: t.view_offs += ALIGN * (value % 4); t.offset += ALIGN * (value % 4); break;  // past its end
         }
         if (s != x && (kind % 8 == 0 || kind % 8 == 2 || kind % 8 == 5 || kind % 8 == 6) && !t.node && t.view_src < 0) {
             // a leaf keeps its strides contiguous when its shape or type changes
@@ -581,17 +591,20 @@ inline uint32_t next(uint32_t & s) {
 
 // the leaves' contents: bounded floats, indices below their limit (one in 64 tensors: one index is not)
 inline void fill(graph & g, uint32_t seed) {
-    g.data.assign(g.size, 0);
+    g.data.resize(g.sizes.size());
+    for (size_t i = 0; i < g.sizes.size(); i++) {
+        g.data[i].assign(g.sizes[i], 0);
+    }
     uint32_t s = seed | 1;
     for (auto & t : g.t) {
         if (t.node || t.view_src >= 0) {
             continue;
         }
         const size_t n = builder::nbytes_of(t);
-        if (t.offset + n > g.size || n == 0) {
+        if (t.buffer < 0 || t.offset + n > g.sizes[t.buffer] || n == 0) {
             continue;
         }
-        uint8_t *     p  = g.data.data() + t.offset;
+        uint8_t *     p  = g.data[t.buffer].data() + t.offset;
         const int64_t ne = n / ggml_type_size(t.type) * ggml_blck_size(t.type);
         if (t.type == GGML_TYPE_I32 || t.type == GGML_TYPE_I64 || t.type == GGML_TYPE_I16 || t.type == GGML_TYPE_I8) {
             const int64_t limit = t.index_limit > 0 ? t.index_limit : 64;
@@ -631,12 +644,13 @@ inline void fill(graph & g, uint32_t seed) {
 
 // the graph on stderr, one line per tensor: to read a finding (GFUZZ_DESCRIBE=1)
 inline void describe(const graph & g) {
-    fprintf(stderr, "graph: %zu tensors, %zu nodes, buffer of %zu bytes\n", g.t.size(), g.nodes.size(), g.size);
+    fprintf(stderr, "graph: %zu tensors, %zu nodes, %zu buffers of %zu bytes\n", g.t.size(), g.nodes.size(),
+            g.sizes.size(), g.total);
     for (size_t i = 0; i < g.t.size(); i++) {
         const tensor & t = g.t[i];
-        fprintf(stderr, "  t%zu %s%-14s %-6s ne [%lld %lld %lld %lld] nb [%zu %zu %zu %zu] at %zu", i, t.node ? "*" : " ",
+        fprintf(stderr, "  t%zu %s%-14s %-6s ne [%lld %lld %lld %lld] nb [%zu %zu %zu %zu] in b%d+%zu", i, t.node ? "*" : " ",
                 ggml_op_name(t.op), ggml_type_name(t.type), (long long) t.ne[0], (long long) t.ne[1],
-                (long long) t.ne[2], (long long) t.ne[3], t.nb[0], t.nb[1], t.nb[2], t.nb[3], t.offset);
+                (long long) t.ne[2], (long long) t.ne[3], t.nb[0], t.nb[1], t.nb[2], t.nb[3], t.buffer, t.offset);
         for (int s = 0; s < GGML_MAX_SRC; s++) {
             if (t.src[s] >= 0) {
                 fprintf(stderr, " src%d=t%d", s, t.src[s]);
@@ -665,7 +679,7 @@ inline bool generate(const uint8_t * data, size_t size, graph & g) {
     (void) r.u8();  // reserved: the harness's own flags
     const uint32_t seed = r.u32();
     b.build();
-    if (b.too_big || g.nodes.empty() || g.size == 0) {
+    if (b.too_big || g.nodes.empty() || g.sizes.empty()) {
         return false;
     }
     fill(g, seed);

@@ -6,11 +6,12 @@
 // deserialization, and then ggml's CPU kernels run on every graph, under the sanitizers. Each input
 // is a client session of real messages:
 //
-//     HELLO (on a new connection)    ALLOC_BUFFER    BUFFER_GET_BASE
-//     SET_TENSOR                     the leaves' contents
+//     HELLO (on a new connection)
+//     ALLOC_BUFFER, BUFFER_GET_BASE  per tensor (not views): a buffer of exactly its bytes
+//     SET_TENSOR                     per buffer: its contents (the leaves')
 //     GRAPH_COMPUTE                  the serialized graph
 //     GET_ALIGNMENT                  a synchronous call: the graph has run when it answers
-//     FREE_BUFFER
+//     FREE_BUFFER                    per buffer
 //
 // A server that refuses a message closes the connection; the harness connects again for the next
 // input. Built as apir_graph_fuzz.cpp is (build.py), against libggml-rpc and libggml-cpu.
@@ -129,7 +130,7 @@ bool connect_server() {
         return false;
     }
     std::vector<uint8_t> hello(CONN_CAPS_SIZE, 0);
-    uint8_t              rsp[3 + CONN_CAPS_SIZE];
+    uint8_t              rsp[4 + CONN_CAPS_SIZE];  // version, padding, the server's capabilities
     if (!command(CMD_HELLO, hello) || !response(rsp, sizeof(rsp))) {
         disconnect();
         return false;
@@ -137,13 +138,14 @@ bool connect_server() {
     return true;
 }
 
-rpc_tensor record(const gfuzz::graph & g, int i, uint64_t buffer, uint64_t base) {
+rpc_tensor record(const gfuzz::graph & g, int i, const std::vector<uint64_t> & buffers,
+                  const std::vector<uint64_t> & bases) {
     const gfuzz::tensor & t = g.t[i];
     rpc_tensor            w;
     memset(&w, 0, sizeof(w));
     w.id     = (uint64_t) i + 1;
     w.type   = t.type;
-    w.buffer = buffer;
+    w.buffer = t.buffer >= 0 ? buffers[t.buffer] : 0;
     for (int d = 0; d < GGML_MAX_DIMS; d++) {
         w.ne[d] = (uint32_t) t.ne[d];
         w.nb[d] = (uint32_t) t.nb[d];
@@ -156,7 +158,7 @@ rpc_tensor record(const gfuzz::graph & g, int i, uint64_t buffer, uint64_t base)
     }
     w.view_src  = t.view_src >= 0 ? (uint64_t) t.view_src + 1 : 0;
     w.view_offs = t.view_offs;
-    w.data      = base + t.offset;
+    w.data      = t.buffer >= 0 ? bases[t.buffer] + t.offset : 0;
     w.use_count = 1;
     snprintf(w.name, sizeof(w.name), "t%d", i);
     return w;
@@ -208,40 +210,49 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         fprintf(stderr, "rpc-graph-fuzz: the server stopped accepting connections\n");
         abort();
     }
-    std::vector<uint8_t> req;
-    put(req, (uint32_t) 0);
-    put(req, (uint64_t) g.size);
-    uint64_t alloc_rsp[2] = {};
-    if (!command(CMD_ALLOC_BUFFER, req) || !response(alloc_rsp, sizeof(alloc_rsp)) || alloc_rsp[0] == 0) {
-        fprintf(stderr, "rpc-graph-fuzz: a buffer of %zu bytes was refused\n", g.size);
-        abort();
-    }
-    const uint64_t buffer = alloc_rsp[0];
-    uint64_t       base   = 0;
-    req.clear();
-    put(req, buffer);
-    if (!command(CMD_BUFFER_GET_BASE, req) || !response(&base, sizeof(base))) {
-        abort();
-    }
+    // a buffer per tensor (views share their source's), each filled with one SET_TENSOR of its bytes
+    std::vector<uint64_t> buffers, bases;
+    std::vector<uint8_t>  req;
+    for (size_t b = 0; b < g.sizes.size(); b++) {
+        req.clear();
+        put(req, (uint32_t) 0);
+        put(req, (uint64_t) g.sizes[b]);
+        uint64_t alloc_rsp[2] = {};
+        if (!command(CMD_ALLOC_BUFFER, req) || !response(alloc_rsp, sizeof(alloc_rsp)) || alloc_rsp[0] == 0) {
+            fprintf(stderr, "rpc-graph-fuzz: a buffer of %zu bytes was refused\n", g.sizes[b]);
+            abort();
+        }
+        uint64_t base = 0;
+        req.clear();
+        put(req, alloc_rsp[0]);
+        if (!command(CMD_BUFFER_GET_BASE, req) || !response(&base, sizeof(base))) {
+            fprintf(stderr, "rpc-graph-fuzz: the server does not answer BUFFER_GET_BASE\n");
+            abort();
+        }
+        buffers.push_back(alloc_rsp[0]);
+        bases.push_back(base);
 
-    gfuzz::tensor whole;
-    whole.type  = GGML_TYPE_I8;
-    whole.ne[0] = (int64_t) g.size;
-    whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
-    whole.nb[0] = 1;
-    whole.nb[1] = whole.nb[2] = whole.nb[3] = g.size;
-    for (int & s : whole.src) {
-        s = -1;
-    }
-    gfuzz::graph one;
-    one.t.push_back(whole);
-    req.clear();
-    put(req, record(one, 0, buffer, base));
-    put(req, (uint8_t) 0);
-    put(req, (uint64_t) 0);
-    req.insert(req.end(), g.data.begin(), g.data.end());
-    if (!command(CMD_SET_TENSOR, req)) {
-        abort();
+        gfuzz::tensor whole;
+        whole.type  = GGML_TYPE_I8;
+        whole.ne[0] = (int64_t) g.sizes[b];
+        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
+        whole.nb[0] = 1;
+        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
+        whole.buffer = 0;
+        for (int & src : whole.src) {
+            src = -1;
+        }
+        gfuzz::graph one;
+        one.t.push_back(whole);
+        req.clear();
+        put(req, record(one, 0, { buffers.back() }, { base }));
+        put(req, (uint8_t) 0);
+        put(req, (uint64_t) 0);
+        req.insert(req.end(), g.data[b].begin(), g.data[b].end());
+        if (!command(CMD_SET_TENSOR, req)) {
+            fprintf(stderr, "rpc-graph-fuzz: SET_TENSOR was not sent\n");
+            abort();
+        }
     }
 
     req.clear();
@@ -252,15 +263,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     }
     put(req, (uint32_t) g.t.size());
     for (size_t i = 0; i < g.t.size(); i++) {
-        put(req, record(g, (int) i, buffer, base));
+        put(req, record(g, (int) i, buffers, bases));
     }
     uint64_t alignment = 0;
     std::vector<uint8_t> dev(4, 0);
     if (command(CMD_GRAPH_COMPUTE, req) && command(CMD_GET_ALIGNMENT, dev) && response(&alignment, sizeof(alignment))) {
         computed++;
-        req.clear();
-        put(req, buffer);
-        command(CMD_FREE_BUFFER, req);
+        for (uint64_t buffer : buffers) {
+            req.clear();
+            put(req, buffer);
+            command(CMD_FREE_BUFFER, req);
+        }
     } else {
         // refused: the server closed the connection, and freed the client's buffers with it
         refused++;

@@ -92,7 +92,7 @@ def flash_attn(d: int, n_q: int, n_kv: int, h_kv: int, gqa: int, kv: str = "f16"
     out += b(n_q - 1, n_kv - 1, h_kv - 1, gqa - 1)
     out += b(0) if kv == "f16" else (b(1, 0) if kv == "q8_0" else b(1, 1))
     what = (1 if mask else 0) | (4 if sinks else 0) | (16 if softcap else 0)
-    return out + b(PERMUTED, PERMUTED, PERMUTED, what, NO_MUTATION)
+    return out + b(PERMUTED, PERMUTED, 0, PERMUTED, what, NO_MUTATION)
 
 
 def cpy(src: str, dst: str, ne0: int, ne1: int, ne2: int = 1, b_how: int = LEAF) -> bytes:

@@ -1,0 +1,87 @@
+"""The graph fuzzers (tests/apir/graph_fuzz/): their seed corpus, and a short campaign of each against
+the pinned, patched source built with AddressSanitizer and UndefinedBehaviorSanitizer.
+
+Each campaign computes graphs through a host's real entry point (the APIR backend library's
+dispatcher; ggml-rpc's server loop) on the real CPU backend: any sanitizer report, abort, signal or
+slow input is a finding, and the test asserts none. The long campaign is benchmarks/fuzz_graphs.py;
+its figures are in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.apir.graph_fuzz import build as graph_build
+from tests.apir.graph_fuzz import campaign, seeds
+
+
+def test_the_committed_corpus_is_what_seeds_writes(tmp_path: Path) -> None:
+    written = {p.name: p.read_bytes() for p in seeds.write(tmp_path)}
+    committed = {p.name: p.read_bytes() for p in campaign.CORPUS.iterdir()}
+    assert written == committed
+
+
+def test_the_corpus_is_small_covers_the_ops_and_holds_no_machine_paths() -> None:
+    files = list(campaign.CORPUS.iterdir())
+    assert 20 <= len(files) <= 100 and sum(f.stat().st_size for f in files) < 64 << 10
+    ops = {data[6] for data in (f.read_bytes() for f in files)}  # the first node's op selector
+    assert ops == set(range(15))  # every op the generator builds starts a seed
+    for f in files:
+        assert re.search(rb"/(home|root|tmp|work|Users)/", f.read_bytes()) is None, f.name
+
+
+def test_a_dimension_reads_as_the_generator_reads_it() -> None:
+    assert seeds.dim(1) == b"\x00" and seeds.dim(48) == b"\x2f"
+    assert seeds.dim(256) == b"\xef\x00\x01"  # beyond one byte's range: exact, little-endian
+
+
+# --- the campaigns ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fuzzers() -> dict[str, Path]:
+    """Both fuzzers built from the pinned, patched source (cached by the series' digest and the harnesses)."""
+    if sys.platform != "linux":
+        pytest.skip("the harnesses use Linux's mmap, dlsym and Unix sockets")
+    if shutil.which("clang++") is None or shutil.which("cmake") is None:
+        pytest.skip("clang++ (with libFuzzer) and cmake are needed")
+    from apirctl.build import llamacpp
+    from tests.conftest import SHARED_CACHE, shared_env
+
+    with shared_env():
+        src = llamacpp.source_dir()
+        harness = hashlib.sha256(b"".join((graph_build.HERE / s).read_bytes() for s in graph_build.SOURCES))
+        key = llamacpp.patches_digest()[:16] + "-" + harness.hexdigest()[:8]
+    build_dir = SHARED_CACHE / "graph-fuzz" / key
+    exes = {name: build_dir / name for name in graph_build.HARNESSES}
+    if not all(exe.exists() for exe in exes.values()):
+        exes = graph_build.build(src, build_dir)
+    return exes
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("host", ["apir_graph_fuzz", "rpc_graph_fuzz"])
+def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
+    """The corpus replayed once: each seed is a graph the host accepts and computes, with no finding
+    (the generator still builds what the host's checks take, so the campaign reaches the kernels)."""
+    done = campaign.run(fuzzers[host], 0, tmp_path / "artifacts")
+    assert done.result.clean, f"{done.result.findings}\n{done.result.reports}\n{done.result.log_tail}"
+    n = len(list(campaign.CORPUS.iterdir()))
+    assert done.graphs_built >= n and done.graphs_computed >= n - 2, done.result.log_tail
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("host", ["apir_graph_fuzz", "rpc_graph_fuzz"])
+def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
+    """30 seconds of fuzzing from the corpus (a few thousand graphs on 2 cores): no sanitizer report,
+    no abort, no signal, no input slower than 20 s."""
+    done = campaign.run(fuzzers[host], 10_000_000, tmp_path / "artifacts", seed=30, max_total_time=30)
+    findings = [campaign.classify(fuzzers[host], Path(p)) for p in done.result.findings]
+    assert done.result.clean, f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
+    assert done.graphs_computed > 100 and done.result.edges > 0
