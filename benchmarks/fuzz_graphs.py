@@ -52,7 +52,8 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def run_campaign(fuzzer: Path, graphs: int, max_total_time: int, artifacts: Path, runs_per_round: int) -> dict:
+def run_campaign(fuzzer: Path, graphs: int, max_total_time: int, artifacts: Path, runs_per_round: int,
+                 timeout: int) -> dict:
     start, cpu0 = time.monotonic(), cpu_seconds()
     totals = {"inputs": 0, "graphs_built": 0, "graphs_computed": 0, "rounds": 0, "edges": 0}
     findings: list[dict] = []
@@ -61,7 +62,7 @@ def run_campaign(fuzzer: Path, graphs: int, max_total_time: int, artifacts: Path
         left = max_total_time - (time.monotonic() - start)
         if left < 5:
             break
-        done = campaign.run(fuzzer, runs_per_round, artifacts, seed=seed, max_total_time=int(left))
+        done = campaign.run(fuzzer, runs_per_round, artifacts, seed=seed, max_total_time=int(left), timeout=timeout)
         totals["rounds"] += 1
         totals["inputs"] += done.result.inputs
         totals["graphs_built"] += done.graphs_built
@@ -88,6 +89,19 @@ def run_hunt(fuzzer: Path, seconds: int, artifacts: Path) -> dict:
             **campaign.summary(found, start_wall)}
 
 
+def reclassify(results: Path, build_dir: Path, artifacts: Path) -> None:
+    """Read a hunt's findings again (a newer classifier), keeping its counts; the seconds to each are
+    from the hunt's start (the file's date) to the finding's file time."""
+    out = json.loads(results.read_text())
+    start = datetime.datetime.fromisoformat(out["date"]).timestamp()
+    for host, figures in out["hosts"].items():
+        found = [p for p in (artifacts / f"{out['label']}-{host}").iterdir() if not p.name.startswith("slow-unit-")]
+        classified = campaign.classify_all(build_dir / host, found)
+        figures.update({"findings": len(classified), **campaign.summary(classified, start)})
+    results.write_text(json.dumps(out, indent=2, default=str) + "\n")
+    print(results)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--src", type=Path, required=True, help="the llama.cpp tree the libraries are built from")
@@ -98,15 +112,21 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--campaign", action="store_true")
     mode.add_argument("--hunt", type=int, help="seconds of fork mode per host")
+    mode.add_argument("--reclassify", type=Path, help="a hunt's results file: classify its findings again")
     parser.add_argument("--graphs", type=int, default=1_000_000, help="computed graphs to reach per host")
     parser.add_argument("--max-total-time", type=int, default=3600, help="seconds per host")
     parser.add_argument("--runs-per-round", type=int, default=10_000_000)
+    parser.add_argument("--timeout", type=int, default=60, help="seconds an input may take (2 loaded cores: generous)")
     parser.add_argument("--label", default="run")
     parser.add_argument("--artifacts", type=Path, default=Path("graph-fuzz-artifacts"))
     parser.add_argument("--no-build", action="store_true", help="use the fuzzers already in --build-dir")
+    parser.add_argument("--local-change", default="", help="a change to --src beyond the series, recorded as is")
     args = parser.parse_args()
 
     build_dir = args.build_dir.resolve()
+    if args.reclassify:
+        reclassify(args.reclassify, build_dir, args.artifacts.resolve())
+        return
     if args.no_build:
         exes = {name: build_dir / name for name in graph_build.HARNESSES}
     else:
@@ -117,7 +137,8 @@ def main() -> None:
     out: dict = {
         "benchmark": "fuzz_graphs", "mode": "hunt" if args.hunt else "campaign", "label": args.label,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "patch_digest": digest, "patches": names, "harness_digest": harness.hexdigest()[:12],
+        "patch_digest": digest, "patches": names, "local_change": args.local_change or None,
+        "harness_digest": harness.hexdigest()[:12],
         "corpus": {"files": len(corpus), "bytes": sum(p.stat().st_size for p in corpus),
                    "digest": hashlib.sha256(b"".join(p.read_bytes() for p in corpus)).hexdigest()[:12],
                    "folder": "tests/apir/graph_fuzz/corpus"},
@@ -130,7 +151,7 @@ def main() -> None:
             out["hosts"][host] = run_hunt(exes[host], args.hunt, artifacts)
         else:
             out["hosts"][host] = run_campaign(exes[host], args.graphs, args.max_total_time, artifacts,
-                                              args.runs_per_round)
+                                              args.runs_per_round, args.timeout)
         print(host, json.dumps({k: v for k, v in out["hosts"][host].items() if k != "distinct"}, default=str)[:2000])
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"fuzz_graphs-{datetime.date.today().isoformat()}-{args.label}.json"

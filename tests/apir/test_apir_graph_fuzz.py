@@ -65,8 +65,15 @@ def fuzzers() -> dict[str, Path]:
     return exes
 
 
+# ggml-rpc's server checks a graph's tensors against their buffers, not what the kernels assume of a
+# node (issue 30, item 2: one rule per op for both hosts); until it does, its campaign finds kernel
+# aborts and overflows at once. Strict: the day it checks them, these fail and the marks come off.
+RPC_UNCHECKED = pytest.mark.xfail(strict=True, reason="ggml-rpc's server does not check the kernels' preconditions yet")
+HOSTS = ["apir_graph_fuzz", pytest.param("rpc_graph_fuzz", marks=RPC_UNCHECKED)]
+
+
 @pytest.mark.integration
-@pytest.mark.parametrize("host", ["apir_graph_fuzz", "rpc_graph_fuzz"])
+@pytest.mark.parametrize("host", HOSTS)
 def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
     """The corpus replayed once: each seed is a graph the host accepts and computes, with no finding
     (the generator still builds what the host's checks take, so the campaign reaches the kernels)."""
@@ -77,7 +84,7 @@ def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_p
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("host", ["apir_graph_fuzz", "rpc_graph_fuzz"])
+@pytest.mark.parametrize("host", HOSTS)
 def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
     """30 seconds of fuzzing from the corpus (a few thousand graphs on 2 cores): no sanitizer report,
     no abort, no signal, no input slower than 20 s."""

@@ -24,7 +24,11 @@ HARNESSES = {"apir_graph_fuzz": ("apir_graph_fuzz.cpp", ("ggml-virtgpu-backend",
              "rpc_graph_fuzz": ("rpc_graph_fuzz.cpp", ("ggml-rpc", "ggml-cpu", "ggml-base"))}
 SOURCES = ("graph_gen.h", "apir_graph_fuzz.cpp", "rpc_graph_fuzz.cpp")
 TARGETS = ("ggml-base", "ggml-cpu", "ggml-rpc", "ggml-virtgpu-backend")
-SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-g")
+# -fno-sanitize=function: ggml-cpu calls its C kernels through function pointers typed with `void *`
+# where the kernels take `ggml_fp16_t *` (type_traits_cpu's vec_dot); the C++ callers would report it
+# on every F16 product, and it is no memory error
+SANITIZE = ("-fsanitize=address,undefined", "-fno-sanitize=function", "-fno-sanitize-recover=undefined",
+            "-fno-omit-frame-pointer", "-g")
 LIBRARY_FLAGS = (*SANITIZE, "-fsanitize=fuzzer-no-link", "-O1")
 
 

@@ -35,8 +35,10 @@ ASAN = re.compile(r"ERROR: AddressSanitizer: ([\w-]+)")
 ACCESS = re.compile(r"^(READ|WRITE) of size (\d+)", re.M)
 UBSAN = re.compile(r"([\w./-]+:\d+):\d+: runtime error: (.*)")
 GGML = re.compile(r"([\w./-]+\.(?:c|cpp|h)):(\d+): (GGML_ASSERT\((.*)\) failed|fatal error)")
-KERNEL = re.compile(r"#\d+ 0x[0-9a-f]+ in (ggml_compute_forward_\w+|ggml_vec_\w+|ggml_graph_plan|quantize_\w+|"
+KERNEL = re.compile(r"#\d+ 0x[0-9a-f]+ in (ggml_rope_cache_init|rotate_pairs|ggml_compute_forward_\w+|ggml_vec_\w+|"
+                    r"ggml_graph_plan|quantize_\w+|"
                     r"ggml_cpu_\w+|dequantize_\w+|rpc_server::\w+|apir_\w+)")
+ASSERT = re.compile(r"Assertion `(.*)' failed")
 NODE = re.compile(r"^\s+t\d+ \*(\S+)\s+(\S+)\s+ne \[([^\]]*)\]", re.M)
 
 
@@ -113,7 +115,8 @@ def hunt(fuzzer: Path, seconds: int, artifacts: Path, seed: int = 1, timeout: in
                               timeout=seconds + 300)
         result = Result(seconds=round(time.monotonic() - start, 1), returncode=done.returncode)
         parse(done.stderr, result)
-        result.findings = sorted(str(p) for p in artifacts.iterdir())
+        # slow-unit-*: inputs libFuzzer reports as slow but within the timeout, not findings
+        result.findings = sorted(str(p) for p in artifacts.iterdir() if not p.name.startswith("slow-unit-"))
         result.log_tail = done.stderr[-4000:]
         built, computed = _counts(done.stderr)
         return Campaign(str(fuzzer), result, built, computed)
@@ -145,6 +148,8 @@ def classify(fuzzer: Path, artifact: Path) -> Finding:
     found.where = kernel.group(1) if kernel else ""
     if artifact.name.startswith("timeout-") or "ERROR: libFuzzer: timeout" in log:
         found.kind = "timeout"
+    elif m := ASSERT.search(log):
+        found.kind, found.message = "assert", m.group(1)  # a C assert(): built in Debug only
     elif m := GGML.search(log):
         found.kind = "GGML_ASSERT" if m.group(3).startswith("GGML_ASSERT") else "GGML_ABORT"
         found.message = (m.group(4) or "fatal error") + f" ({Path(m.group(1)).name}:{m.group(2)})"
@@ -173,7 +178,7 @@ ISSUE_FINDINGS = {
     "rope-odd-ne0": "ROPE with an odd ne0 reads and writes past the end",
     "rope-n-offs": "ROPE: n_offs odd or out of range hits GGML_ASSERT",
     "mul-mat-work-size-wrap": "MUL_MAT: the work size wraps (zero strides), src1's conversion writes past it",
-    "norm-softmax-f16-abort": "RMS_NORM, NORM or SOFT_MAX on F16 aborts",
+    "norm-softmax-f16-abort": "RMS_NORM, NORM or SOFT_MAX on F16 (or BF16) aborts",
     "cpy-types-abort": "CPY between quantized types, F32 to non-contiguous quantized, I32 to F16 aborts",
     "set-rows-types": "SET_ROWS into F64/I8/I16 (no kernel: a NULL function pointer or an abort)",
     "mul-mat-src0-types": "MUL_MAT with an I32 or F64 src0 (a NULL function pointer)",
@@ -198,18 +203,19 @@ def issue_finding(f: Finding) -> str | None:
         return None
     if memory and "flash_attn" in where and "READ" in kind:
         return "flash-attn-oob-read"
-    if memory and "rope" in where:
+    if memory and "rope" in where and "cache_init" not in where:
         return "rope-odd-ne0"
     if memory and ("dup" in where or "cpy" in where) and "CPY" in ops:
         return "cpy-heap-overflow"
     if memory and "mul_mat" in where:
         return "mul-mat-work-size-wrap"
     if kind in ("GGML_ABORT", "GGML_ASSERT"):
-        if any(op in where for op in ("rms_norm", "_norm", "soft_max")) and any(" f16 " in n for n in f.nodes):
+        if any(op in where for op in ("rms_norm", "_norm", "soft_max")) and any(
+                " f16 " in n or " bf16 " in n for n in f.nodes):
             return "norm-softmax-f16-abort"
         if ("dup" in where or "cpy" in where) and "CPY" in ops:
             return "cpy-types-abort"
-        if "set_rows" in where:
+        if "set_rows" in where and kind == "GGML_ABORT":  # not its index assert: an index out of range
             return "set-rows-types"
     return None
 
