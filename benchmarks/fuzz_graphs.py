@@ -76,7 +76,9 @@ def run_campaign(fuzzer: Path, graphs: int, max_total_time: int, artifacts: Path
                              "log_tail": done.result.log_tail[-1500:]})
         seed += 1
     return {**totals, "seconds": round(time.monotonic() - start, 1), "cpu_seconds": round(cpu_seconds() - cpu0, 1),
-            "findings": findings, "clean": not findings}
+            "findings": findings, "clean": not findings,
+            # a C assert() stops only a build with them on (the libraries here; not the hosts' release builds)
+            "findings_other_than_debug_asserts": len([f for f in findings if f.get("kind") != "assert"])}
 
 
 def run_hunt(fuzzer: Path, seconds: int, artifacts: Path) -> dict:
@@ -91,10 +93,14 @@ def run_hunt(fuzzer: Path, seconds: int, artifacts: Path) -> dict:
 
 def reclassify(results: Path, build_dir: Path, artifacts: Path) -> None:
     """Read a hunt's findings again (a newer classifier), keeping its counts; the seconds to each are
-    from the hunt's start (the file's date) to the finding's file time."""
+    from the hunt's start (the file's date) to the finding's file time. A campaign's are counted again."""
     out = json.loads(results.read_text())
     start = datetime.datetime.fromisoformat(out["date"]).timestamp()
     for host, figures in out["hosts"].items():
+        if out["mode"] == "campaign":  # its findings are classified already: count them again
+            figures["findings_other_than_debug_asserts"] = len(
+                [f for f in figures["findings"] if f.get("kind") != "assert"])
+            continue
         found = [p for p in (artifacts / f"{out['label']}-{host}").iterdir() if not p.name.startswith("slow-unit-")]
         classified = campaign.classify_all(build_dir / host, found)
         figures.update({"findings": len(classified), **campaign.summary(classified, start)})
