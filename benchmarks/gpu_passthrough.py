@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from gpu_remoting import Runner
+    from gpu_harness import Runner
 
 #: llama-server's port on loopback (the container on the host's network), in the container and natively.
 SERVER_PORT = 18431

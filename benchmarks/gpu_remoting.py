@@ -28,15 +28,15 @@ results.json is rewritten after every step, so a cut-off run still reports):
    through apir-host, decoded with apirctl.apir.trace: synchronous calls per token by function,
    graph bytes re-sent per compute, host time per call; and the time lost per token for each row.
 7. `hotpath` (issue 12): native against the shared-memory transport with the server's per-token copies
-   from and to pageable memory (`GGML_RPC_NO_STAGING=1`, the behaviour before llama_patches/ 0008) and
-   through the device's pinned staging memory (after), and after with rings of 8 MiB (before 0009)
-   instead of 1; all again in the opposite order, native last; then,
+   from and to pageable memory (`GGML_RPC_NO_STAGING=1`, the behaviour before llama_patches/ 0004) and
+   through the device's pinned staging memory (after), and after with rings of 8 MiB
+   (`GGML_RPC_SHM_RING_MB=8`) instead of 1; all again in the opposite order, native last; then,
    for each, a profiled tg128 run of both ends (`GGML_RPC_PROFILE=1`): the per-token timeline of the
    client and the server (rpc_profile.py), before and after.
 8. `rings`: the shared-memory rings at 1, 2 and 8 MiB, three passes in turn between two native rows,
    and a profiled pp512 run (where a prompt batch's time goes).
 9. `shared` (issue 12): native against the rings alone (`GGML_RPC_NO_HOST_SHARE=1`, the behaviour before
-   llama_patches/ 0011) and the host buffers that the server maps (the logits straight from the device into
+   llama_patches/ 0007) and the host buffers that the server maps (the logits straight from the device into
    the client's memory, a prompt's inputs from it to the device); both orders; both ends profiled for
    tg128 and pp512.
 10. `passthrough` (issue 24, in benchmarks/gpu_passthrough.py): apirctl's own image (`FROM scratch`,
@@ -82,18 +82,17 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
+from gpu_harness import NO_GPU, NS, VETH_HOST, VETH_NS, stop  # noqa: E402 - beside this file, on sys.path[0]
+
 PORT = 50052
 TRACE_PORT = 50060
-NS = "apirc-bench"
-VETH_HOST, VETH_NS = "10.77.0.1", "10.77.0.2"
 SLIRP_HOST_LOOPBACK = "10.0.2.2"
 #: A network namespace with no route: only a socket file reaches out (the container boundary).
 ISOLATED = ["unshare", "--net"]
-NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
 #: The frontend's device is named after the host's ("[virtgpu] CUDA0", "[virtgpu] CPU"); the backend
 #: is ggml-virtgpu, and `-dev ggml-virtgpu0` is refused by llama-bench.
 VIRTGPU_PREFIX = "[virtgpu]"
-#: The frontend with upstream's calls only (a graph compute and its copies each a call; patch 0019 off)
+#: The frontend with upstream's calls only (a graph compute and its copies each a call; patch 0013 off)
 UPSTREAM_CALLS = {"GGML_VIRTGPU_GRAPH_RUN": "0"}
 
 
@@ -104,7 +103,7 @@ def apir_per_token(records: list) -> dict:
     Every forwarded call of the frontend waits for its reply, so calls per token are synchronous
     round trips. The first compute is llama-bench's warm-up and the second the first timed token (the
     KV clear between them is per run, not per token); model loading comes before both. A compute is a
-    backend_graph_compute (upstream's calls) or an ext_graph_run that computed a graph (patch 0019).
+    backend_graph_compute (upstream's calls) or an ext_graph_run that computed a graph (patch 0013).
     """
     from apirctl.apir import protocol
 
@@ -155,16 +154,6 @@ def apir_per_token(records: list) -> dict:
         "wall_us_per_token": round(wall_ns / tokens / 1e3, 2),
         "failed": sum(1 for r in window if not r.ok),
     }
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """End a server the run started: SIGTERM (it prints its profile and closes), then SIGKILL after 10 s."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class Runner:
@@ -534,10 +523,10 @@ class Runner:
         self.compare_rows(shape, "hotpath", {"shm_netns_pageable": {"GGML_RPC_NO_STAGING": "1"}, "shm_netns": {},
                                              "shm_netns_ring8m": {"GGML_RPC_SHM_RING_MB": "8"}})
 
-    # -- 2f. host buffers shared with the server (llama_patches/ 0011) -------------------------
+    # -- 2f. host buffers shared with the server (llama_patches/ 0007) -------------------------
     def shared(self, shape: str) -> None:
-        """The rings alone (`GGML_RPC_NO_HOST_SHARE=1`, patches 0001-0009) against the host buffers that the
-        server maps (patch 0011): the logits come from the device straight into the client's memory, a
+        """The rings alone (`GGML_RPC_NO_HOST_SHARE=1`, the series without 0007) against the host buffers that the
+        server maps (patch 0007): the logits come from the device straight into the client's memory, a
         prompt's inputs go from it to the device. `--passes` passes (3), the rows' order swapped each pass and a
         native row before, between and after them, so that drift falls on both rows alike; each row's
         ratio is its mean over the passes against the mean of the native rows. Then both ends profiled
@@ -677,7 +666,7 @@ class Runner:
 
     # -- 2c. APIR: the ggml-virtgpu frontend against apir-host ----------------------------
     def apir(self, shape: str) -> None:
-        """native, RPC over shared memory, APIR with one call per token (patch 0019) and APIR with
+        """native, RPC over shared memory, APIR with one call per token (patch 0013) and APIR with
         upstream's calls side by side, native again after them; then a traced generation of each APIR."""
         done = self.results["bench"].get(shape, {})
         if "native" not in done:  # --parts transport apir: one native row serves both

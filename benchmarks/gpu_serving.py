@@ -40,8 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpu_harness import NO_GPU, NS, VETH_NS, stop
+
 if TYPE_CHECKING:
-    from gpu_remoting import Runner
+    from gpu_harness import Runner
 
 #: Ports of the servers: natives on loopback from NATIVE_PORT, clients in the namespace from CLIENT_PORT.
 NATIVE_PORT = 18500
@@ -199,15 +201,11 @@ class Serving:
             if proc.poll() is not None:
                 raise RuntimeError(f"llama-server {name} exited {proc.returncode} during the run (see {log})")
         finally:
-            from gpu_remoting import stop
-
             stop(proc)
             fh.close()
 
     def namespace(self) -> list[str]:
         """The harness's veth namespace (made here if the `veth` part did not): the container's network."""
-        from gpu_remoting import NS
-
         r = self.runner
         if not r.results["steps"].get("veth", "").startswith("ok"):
             r.step("veth", r.setup_veth, need=0)
@@ -216,8 +214,6 @@ class Serving:
     @contextlib.contextmanager
     def rpc_client(self, shape: str, name: str, index: int, slots: int) -> Iterator[tuple[str, int]]:
         """A client llama-server in the namespace over its own ggml-rpc-server on shared memory."""
-        from gpu_remoting import NO_GPU, VETH_NS
-
         r = self.runner
         unix = f"unix:{r.work / f'serve-{index}.sock'}"
         with (r.server(unix, log_name=f"rpc-server-{name}.log"),
@@ -227,8 +223,6 @@ class Serving:
 
     @contextlib.contextmanager
     def apir_client(self, shape: str, name: str, index: int, slots: int) -> Iterator[tuple[str, int]]:
-        from gpu_remoting import NO_GPU, VETH_NS
-
         r = self.runner
         with r.apir_host(r.logs / f"serving-{name}.trace", log_name=f"apir-host-{name}.log") as sock:
             env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}

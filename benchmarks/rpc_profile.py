@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The per-token timeline of both ends of ggml-rpc, from a `GGML_RPC_PROFILE=1` run.
 
-With `GGML_RPC_PROFILE=1` (llama_patches/ 0003 and 0008) the server prints, when a client leaves, and
+With `GGML_RPC_PROFILE=1` (llama_patches/ 0004) the server prints, when a client leaves, and
 the client prints, when its connection closes, where the time went. Besides the whole connection they
 count generated tokens apart (the cycles of SET_TENSOR, GRAPH_RECOMPUTE and GET_TENSOR, without the
 model's loading): waiting for the next command, each kind of command, and the phases inside them

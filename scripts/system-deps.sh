@@ -9,7 +9,8 @@ set -euo pipefail
 vulkan=0
 [ "${1:-}" = "--vulkan" ] && vulkan=1
 
-need_cmds=(podman runc slirp4netns pasta cmake c++ ninja patch pkg-config ip tmux ldd ssh sshd)
+# ccache: every native build goes through it (apirctl.build.ccache), so a rebuild compiles only what changed
+need_cmds=(podman runc slirp4netns pasta cmake c++ ninja ccache patch pkg-config ip tmux ldd ssh sshd)
 missing=()
 for c in "${need_cmds[@]}"; do command -v "$c" >/dev/null 2>&1 || missing+=("$c"); done
 [ -e /usr/include/libdrm/drm.h ] || missing+=("libdrm headers")
@@ -30,13 +31,13 @@ if command -v apt-get >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
   vk=(); [ $vulkan -eq 1 ] && vk=(libvulkan-dev glslc spirv-headers mesa-vulkan-drivers)
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq podman runc slirp4netns passt uidmap fuse-overlayfs cmake g++ ninja-build \
+  $SUDO apt-get install -y -qq podman runc slirp4netns passt uidmap fuse-overlayfs cmake g++ ninja-build ccache \
     pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server clang libclang-rt-dev "${vk[@]}" >/dev/null
 elif command -v dnf >/dev/null 2>&1; then
   vk=(); [ $vulkan -eq 1 ] && vk=(vulkan-loader-devel glslc spirv-headers-devel mesa-vulkan-drivers)
-  $SUDO dnf install -y -q podman runc slirp4netns passt cmake gcc-c++ ninja-build patch pkgconf-pkg-config \
+  $SUDO dnf install -y -q podman runc slirp4netns passt cmake gcc-c++ ninja-build ccache patch pkgconf-pkg-config \
     libdrm-devel iproute tmux openssh-clients openssh-server clang compiler-rt "${vk[@]}"
 else
-  echo "no apt-get or dnf: install podman, runc, slirp4netns, passt (pasta), cmake, a C++ compiler, ninja, libdrm headers" >&2
+  echo "no apt-get or dnf: install podman, runc, slirp4netns, passt (pasta), cmake, a C++ compiler, ninja, ccache, libdrm headers" >&2
   exit 1
 fi

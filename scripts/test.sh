@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Run the test suite: unit and integration tests (real podman, the real llama.cpp build, the real
-# image and demo model). Installs what it needs first; the llama.cpp build is cached in
-# $APIRCTL_TEST_CACHE (default: .test-cache/), so only the first run builds (minutes on 2 cores).
+# image and demo model). Installs what it needs first. The suite's builds are cached in
+# $APIRCTL_TEST_CACHE (default: .test-cache/), compiled through ccache kept there too; a build that
+# `apirctl setup` (scripts/demo.sh) already made is copied from apirctl's own cache, never rebuilt.
+# Each step's wall time is printed, and each build's at the end of pytest's report (docs/testing.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/system-deps.sh --vulkan  # with what the Vulkan image test builds and runs on
+step() { local start=$SECONDS; "$@"; echo "[time] $(basename "$1") ${*:2}: $((SECONDS - start)) s"; }
+step bash scripts/system-deps.sh --vulkan  # with what the Vulkan image test builds and runs on
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/pip install -q -e '.[test,plot,dev]'  # dev: tests/test_quality.py runs ruff and mypy
-exec .venv/bin/pytest -q "$@"
+step .venv/bin/pip install -q -e '.[test,plot,dev]'  # dev: tests/test_quality.py runs ruff and mypy
+start=$SECONDS
+rc=0
+.venv/bin/pytest -q "$@" || rc=$?
+echo "[time] pytest: $((SECONDS - start)) s"
+exit $rc

@@ -20,6 +20,23 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SHARED_CACHE = Path(os.environ.get("APIRCTL_TEST_CACHE", REPO / ".test-cache")).resolve()
 SHARED_HOME = SHARED_CACHE / "home"
+
+
+def _user_cache() -> Path | None:
+    """The developer's own apirctl cache (where `apirctl setup` builds), read before the tests move it:
+    builds with the same key are copied from it (tests/support/native_builds.py), never written there."""
+    if os.environ.get("APIRCTL_CACHE_DIR"):
+        return Path(os.environ["APIRCTL_CACHE_DIR"]).expanduser().resolve()
+    if os.environ.get("APIRCTL_HOME"):
+        return Path(os.environ["APIRCTL_HOME"]).expanduser().resolve() / "cache"
+    try:
+        import platformdirs
+    except ImportError:
+        return None
+    return Path(platformdirs.user_cache_dir("apirctl")).resolve()
+
+
+USER_CACHE = _user_cache()
 # Variables a developer may set to reuse things made elsewhere; all other APIRCTL_* are cleared.
 PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD", "APIRCTL_VULKAN_BUILD")
 
@@ -102,23 +119,25 @@ def shared_env() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def llama_build():  # type: ignore[no-untyped-def]
-    """The host llama.cpp build (built from the pinned source on first use; minutes on 2 cores)."""
-    from apirctl.build import llamacpp
+    """The host llama.cpp build: the test cache's, else the one `apirctl setup` made (copied), else
+    built from the pinned source (minutes on 2 cores)."""
+    from tests.support import native_builds
 
     with shared_env():
-        existing = llamacpp.current_build()
-        if existing is not None:
-            return existing
-        return llamacpp.build(llamacpp.host_options())
+        return native_builds.host_build()
 
 
 @pytest.fixture(scope="session")
 def container_build(llama_build):  # type: ignore[no-untyped-def]
     from apirctl.build import llamacpp, provision
+    from tests.support import native_builds
 
     with shared_env():
-        found = llamacpp.container_build()
-        return found if found is not None else provision.builds()[1]
+        found = llamacpp.container_build() or native_builds.from_user_cache(llamacpp.container_options())
+        if found is not None:
+            return found
+        with native_builds.timed("llama.cpp container build"):
+            return provision.builds()[1]
 
 
 @pytest.fixture(scope="session")
@@ -165,3 +184,15 @@ def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     """Point apirctl (and podman-py) at the session's Podman API."""
     monkeypatch.setenv("CONTAINER_HOST", podman_url)
     return podman_url
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The wall time of each build the session made or reused (CI's budget: docs/testing.md)."""
+    import sys
+
+    support = sys.modules.get("tests.support.native_builds")
+    times = getattr(support, "TIMES", [])
+    if times:
+        terminalreporter.write_sep("=", "native builds")
+        for what, seconds, how in times:
+            terminalreporter.write_line(f"{how} {what} in {seconds:.0f} s")

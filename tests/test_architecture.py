@@ -342,3 +342,30 @@ def test_every_test_folder_is_a_package() -> None:
                      if not (folder / "__init__.py").exists() and str(folder.relative_to(tests)) not in NOT_PACKAGES)
     assert missing == []
     assert not (tests / "foundation").exists()  # dissolved into the domains (issue 14)
+
+
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def _benchmark_graph() -> dict[str, set[str]]:
+    """The benchmarks' imports of each other (they import by file name, beside each other) and of
+    apirctl, every import counted: at the top, in a function, for the type checker."""
+    scripts = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in scripts.items():
+        targets: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets.add(node.module.split(".")[0])
+        graph[f"benchmarks.{name}"] = {f"benchmarks.{t}" for t in targets if t in scripts}
+    return graph
+
+
+def test_the_benchmarks_import_in_no_circle() -> None:
+    """The GPU harness imports its parts, which import only the shared module (gpu_harness.py)."""
+    graph = _benchmark_graph()
+    assert "benchmarks.gpu_harness" in graph["benchmarks.gpu_serving"]  # edges are read
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

@@ -4,6 +4,8 @@ surfaces, the layers of its import diagram, and every `module.name` it mentions.
 from __future__ import annotations
 
 import ast
+import builtins
+import functools
 import re
 
 import pytest
@@ -169,3 +171,72 @@ def test_the_reference_walk_finds_references() -> None:
 @pytest.mark.parametrize(("module", "name"), sorted(set(_references())))
 def test_every_module_name_the_document_mentions_exists(module: str, name: str) -> None:
     assert name in _defined(module)
+
+
+# --- bare code names ---------------------------------------------------------------------------------
+
+SUPPORT = PACKAGE.parent / "tests" / "support"
+#: The modules `apirctl serve` runs through, from the command line to the container (the serve steps).
+SERVE_PATH = ("apirctl.cli.serve", "apirctl.serve.starting", "apirctl.serve.provision", "apirctl.serve.spec")
+
+
+def _code_name(token: str) -> str | None:
+    """The code name a ticked token is, if it is one: `claim_port`, `is_macos()`, `ModelSet`. Words
+    without an underscore (`auto`, `none`), flags, paths and ALL-CAPS names (environment variables,
+    protocol words) are not."""
+    found = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(\(.*\))?", token)
+    if not found or found.group(1).isupper():
+        return None
+    name = found.group(1)
+    camel = name[0].isupper() and any(c.isupper() for c in name[1:]) and "_" not in name
+    return name if "_" in name.strip("_") or found.group(2) is not None or camel else None
+
+
+def _names_in(path: ast.AST) -> set[str]:
+    """Every name a module's code uses or defines (attributes included)."""
+    found: set[str] = set()
+    for node in ast.walk(path):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            found.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, ast.alias):
+            found.add((node.asname or node.name).split(".")[-1])
+    return found
+
+
+@functools.cache
+def _known_names() -> set[str]:
+    """Names the project defines: in apirctl's modules, and its test support (which the doc describes)."""
+    known = {name for module in MODULES for name in _defined(module)} | set(dir(builtins))
+    known |= {m.rsplit(".", 1)[-1] for m in MODULES} | {"__init__", "__main__"}
+    for path in SUPPORT.rglob("*.py"):
+        known.add(path.stem)
+        known |= _names_in(ast.parse(path.read_text()))
+    return known
+
+
+def _bare_names(text: str) -> list[str]:
+    return sorted({name for token in _ticked(text) if (name := _code_name(token))})
+
+
+def test_the_bare_name_walk_finds_names() -> None:
+    assert {"claim_port", "private_dir", "ModelSet", "is_macos"} <= set(_bare_names(TEXT))
+    assert _code_name("auto") is None and _code_name("APIRCTL_HOME") is None and _code_name("--port") is None
+
+
+@pytest.mark.parametrize("name", _bare_names(TEXT))
+def test_every_code_name_the_document_mentions_exists(name: str) -> None:
+    assert name in _known_names()
+
+
+def test_the_serve_steps_name_what_the_serve_path_uses() -> None:
+    """A name in the serve steps is one that the path from the command line to the container uses
+    (a helper it no longer calls, though it still exists, is a stale step)."""
+    steps = TEXT[TEXT.index("### `apirctl serve MODEL`"):TEXT.index("Per platform, step")]
+    used: set[str] = set()
+    for module in SERVE_PATH:
+        used |= _names_in(ast.parse(MODULES[module].read_text()))
+    assert [name for name in _bare_names(steps) if name not in used] == []

@@ -229,7 +229,7 @@ def _drive(proc: BackendProcess, report: SelftestReport, cheap_calls: int, graph
     else:
         report.notes.append(
             "the shared-resource buffer was neither freed nor deinit called (--free-shared-buffer does both; "
-            "upstream's backend crashed there on CPU, patch 0007 of llama_patches/ fixes it: see docs/apir.md)")
+            "upstream's backend crashed there on CPU, patch 0008 of llama_patches/ fixes it: see docs/apir.md)")
 
 
 def _get(proc: BackendProcess, buffer: int, t: tensor.Tensor, staging: int) -> bytes:

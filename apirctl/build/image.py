@@ -15,7 +15,9 @@ passthrough: `apirctl.gpu`) is made from a CUDA or Vulkan build and keeps that b
   user space; NVIDIA's Vulkan driver comes from its CDI spec like its CUDA driver.
 
 Every image also carries the container's health check, `/app/bin/apirctl-health` (a small static
-program built here from `templates/apirctl-health.c`: the image has no HTTP client), and the host's
+program built here from `templates/apirctl-health.c`: the image has no HTTP client), the door of a
+router server, `/app/bin/apirctl-front` (`templates/apirctl-front.c`: it gives a request that names no
+model the server's default model, which llama-server's router refuses), and the host's
 `/bin/sh`, which `podman kube play` needs to run a Kubernetes probe (it wraps the probe's command in
 `sh -c`). The image's tag ends with a digest of what goes into it besides the build (`recipe`), so an
 image of an older recipe is never taken for the current one.
@@ -55,12 +57,18 @@ _LDD_LINE = re.compile(r"^\s*(?:\S+\s+=>\s+)?(/\S+)\s+\(0x[0-9a-f]+\)")
 #: port inside the container is always 8000 (`CONTAINER_PORT` of apirctl.serve).
 HEALTH_CHECK = "/app/bin/apirctl-health"
 HEALTH_SOURCE = "apirctl-health.c"
+#: A router server's entry point (`templates/apirctl-front.c`): it runs llama-server's router on
+#: FRONT_UPSTREAM_PORT and passes requests on from the container's port, a default model added where a
+#: request names none.
+FRONT = "/app/bin/apirctl-front"
+FRONT_SOURCE = "apirctl-front.c"
 #: Compiler flags of the health check: warnings on, one static file that needs nothing from the image.
 HEALTH_CFLAGS = ("-std=c11", "-D_DEFAULT_SOURCE", "-O2", "-Wall", "-Wextra", "-Wpedantic", "-Wshadow")
 #: A shell for `podman kube play`'s probes (`sh -c 'CHECK || exit 1'`); copied from the host.
 SHELL = Path("/bin/sh")
 #: Bump when stage_rootfs lays out the image differently (the tag changes with it).
-LAYOUT = "4: health check, /bin/sh, llama-perplexity, libraries outside the loader's folders linked from /app/bin"
+LAYOUT = "5: health check, router front, /bin/sh, llama-perplexity, libraries outside the loader's folders linked " \
+         "from /app/bin"
 
 
 def recipe() -> str:
@@ -68,7 +76,7 @@ def recipe() -> str:
     and the health check's source. It ends the tag, so serve's check for the tag finds no image of
     an older recipe (one without a health check) and builds the current one."""
     digest = hashlib.sha256(LAYOUT.encode())
-    for name in ("Containerfile.llama-server", HEALTH_SOURCE):
+    for name in ("Containerfile.llama-server", HEALTH_SOURCE, FRONT_SOURCE):
         digest.update(package_data("templates", name).read_bytes())
     return digest.hexdigest()[:8]
 
@@ -77,22 +85,24 @@ def tag_for(build: Build) -> str:
     return f"{IMAGE_REPO}:{build.source_version}-{build.backend}-{recipe()}"
 
 
-def compile_health_check(dest: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Build `apirctl-health` with the host's C compiler (the one llama.cpp was built with), static so
-    it runs in any image; a host without a static C library gets a dynamic one (the image carries
-    the C library llama-server loads, and `stage_rootfs` adds what it needs)."""
+def compile_health_check(dest: Path, extra_flags: tuple[str, ...] = (), source_name: str = HEALTH_SOURCE) -> Path:
+    """Build `apirctl-health` (or another of the image's small programs, `source_name`: the router's
+    front) with the host's C compiler (the one llama.cpp was built with), static so it runs in any
+    image; a host without a static C library gets a dynamic one (the image carries the C library
+    llama-server loads, and `stage_rootfs` adds what it needs)."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
         raise ApirctlError("no C compiler to build the container's health check",
                            hint="install gcc or clang (llama.cpp's build needs one too)")
-    source = package_data("templates", HEALTH_SOURCE)
+    source = package_data("templates", source_name)
     base = [compiler, *HEALTH_CFLAGS, *extra_flags, "-o", str(dest), str(source)]
     links: tuple[list[str], ...] = ([],) if extra_flags else (["-static", "-s"], [])  # sanitizers: dynamic
     for link in links:
         proc = subprocess.run([*base, *link], capture_output=True, text=True)
         if proc.returncode == 0:
             return dest
-    raise ApirctlError(f"the container's health check did not compile:\n{tail(proc.stderr or proc.stdout, 8)}")
+    program = Path(source_name).stem
+    raise ApirctlError(f"the container's {program} did not compile:\n{tail(proc.stderr or proc.stdout, 8)}")
 
 
 def render(template: str, **values: object) -> str:
@@ -173,6 +183,7 @@ def stage_rootfs(build: Build, rootfs: Path) -> list[Path]:
         shutil.copy2(build.binary(exe), app_bin / exe)
         placed.append(app_bin / exe)
     placed.append(compile_health_check(rootfs / HEALTH_CHECK.lstrip("/")))
+    placed.append(compile_health_check(rootfs / FRONT.lstrip("/"), source_name=FRONT_SOURCE))
     excluded = excluded_libraries(build.backend)
     for lib in build.shared_libraries():
         if lib.name.startswith(excluded):

@@ -32,7 +32,7 @@ from typing import Literal, TextIO
 from pydantic import BaseModel
 
 from apirctl import config, host
-from apirctl.build import vulkan
+from apirctl.build import ccache, vulkan
 from apirctl.digest import sha256_file
 from apirctl.errors import MISSING, ApirctlError, tail
 from apirctl.paths import dirs, ensure, package_data
@@ -295,8 +295,8 @@ def source_dir() -> Path:
 _MANIFEST = "build.json"
 
 
-def _build_root(options: BuildOptions) -> Path:
-    return dirs().builds / "builds" / options.key()
+def _build_root(options: BuildOptions, cache: Path | None = None) -> Path:
+    return (cache / "llama.cpp" if cache is not None else dirs().builds) / "builds" / options.key()
 
 
 def _load(root: Path) -> Build | None:
@@ -340,9 +340,40 @@ def vulkan_build() -> Build | None:
     return found
 
 
-def find(options: BuildOptions) -> Build | None:
-    """The finished build for these options, if any (cheap: reads one small file)."""
-    return _load(_build_root(options))
+def find(options: BuildOptions, cache: Path | None = None) -> Build | None:
+    """The finished build for these options, if any (cheap: reads one small file); `cache`: look in
+    that cache directory instead of this user's."""
+    return _load(_build_root(options, cache))
+
+
+def copy_in(found: Build) -> Build:
+    """A finished build of another cache directory (same options, same source digest: same key),
+    copied into this one: its programs and libraries only, read from there and never written.
+
+    The test suite reuses what `apirctl setup` built this way, instead of building the same tree again.
+    """
+    assert found.options is not None and not found.external
+    root = _build_root(found.options)
+    done = _load(root)
+    if done is not None:
+        return done
+    ensure(root)
+    with _exclusive(root / ".lock"):
+        done = _load(root)
+        if done is not None:
+            return done
+        (root / _MANIFEST).unlink(missing_ok=True)
+        bin_dir = root / "cmake" / "bin"
+        if bin_dir.exists():
+            shutil.rmtree(bin_dir)
+        shutil.copytree(found.bin_dir, bin_dir, symlinks=True)  # libraries are found by $ORIGIN: relocatable
+        result = found.model_copy(update={"root": root, "bin_dir": bin_dir})
+        tmp = root / (_MANIFEST + ".tmp")
+        tmp.write_text(result.model_dump_json(indent=2))
+        os.replace(tmp, root / _MANIFEST)
+    loaded = _load(root)
+    assert loaded is not None
+    return loaded
 
 
 def current_build() -> Build | None:
@@ -376,7 +407,8 @@ def _run_logged(cmd: list[str], log: TextIO, on_line: Callable[[str], None] | No
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     # The source may sit inside someone's git checkout: keep its commit out of the build info.
-    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dirs().builds)}
+    env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(dirs().builds),
+           **ccache.environment(dirs().cache, dirs().builds)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -418,6 +450,16 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _forget_other_source(build_dir: Path, src: Path) -> None:
+    """Drop an unfinished binary directory configured from another source path (CMake refuses it)."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return
+    m = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache.read_text(errors="replace"), re.MULTILINE)
+    if m is None or Path(m.group(1)) != src:
+        shutil.rmtree(build_dir)
+
+
 def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress: ProgressFn | None) -> Build:
     if shutil.which("cmake") is None:
         raise ApirctlError("cmake is not installed", exit_code=MISSING,
@@ -430,14 +472,19 @@ def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress:
         headers = vulkan.build_headers()  # Debian 12: Debian 13's, fetched into the build cache
         if headers is not None:  # ahead of the system's older ones; not part of the key (they only declare)
             extra_args.append(f"-DVulkan_INCLUDE_DIR={headers}")
-    src = source_dir()
+    # Configured through a link next to the binary directory: the same relative paths in every build,
+    # so ccache's objects serve another patch digest or option set (only the changed files compile).
+    src = ccache.link_source(source_dir(), root)
     build_dir = root / "cmake"
     (root / _MANIFEST).unlink(missing_ok=True)
+    _forget_other_source(build_dir, src)
     ensure(build_dir)
     log_path = ensure(dirs().logs) / f"llama-build-{options.key()}.log"
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     jobs = jobs or os.cpu_count() or 2
-    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options.cmake_args(), *extra_args]
+    launchers = ccache.cmake_args(("C", "CXX", "CUDA") if options.backend == "cuda" else ("C", "CXX"))
+    configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, *options.cmake_args(), *extra_args,
+                 *launchers]
     compile_ = ["cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *options.targets()]
 
     def on_line(line: str) -> None:

@@ -217,7 +217,7 @@ def trace(
     """Decode a trace written by `apir-host --trace`."""
     import json as json_lib
 
-    from apirctl.apir import trace as apir_trace
+    from apirctl.apir import trace as decoding
     from apirctl.cli.output import print_json
     from apirctl.errors import ApirctlError
 
@@ -234,12 +234,12 @@ def trace(
         fh = path.open("rb")
     except OSError as exc:
         raise ApirctlError(f"cannot read {path}: {exc.strerror}") from None
-    summary = apir_trace.Summary()
+    summary = decoding.Summary()
     kept: list[dict[str, Any]] = []
     origin: int | None = None
     with fh:
         try:
-            for record in apir_trace.records(fh, follow=follow, live=live):
+            for record in decoding.records(fh, follow=follow, live=live):
                 summary.add(record)
                 if origin is None:
                     origin = record.start_ns
@@ -253,7 +253,7 @@ def trace(
                     _line(_trace_line(record, origin, arguments))
                 else:
                     print(_trace_line(record, origin, arguments))
-        except apir_trace.ApirTraceError as exc:
+        except decoding.ApirTraceError as exc:
             if not json_out and not summary_only:
                 _print_summary(summary)
             raise ApirctlError(f"{path}: {exc}", hint="a trace is written by `apir-host --trace PATH`; a file cut "

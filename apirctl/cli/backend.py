@@ -41,7 +41,7 @@ def selftest(
         bool,
         typer.Option(
             "--free-shared-buffer",
-            help="Also free the shared-memory buffer and deinit (crashed upstream on CPU before patch 0007).",
+            help="Also free the shared-memory buffer and deinit (crashed upstream on CPU before patch 0008).",
         ),
     ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,

@@ -46,31 +46,43 @@ _SSH_OPTION = typer.Option(
 )
 
 
+# The options `serve` and `run` share, declared once: both start the same server (ServeOptions).
+MODEL = typer.Argument(
+    None, help="Model: alias (smollm2), .gguf path, hf://, ollama://, https://, pypi://. "
+    "Default: the `default_model` setting."
+)
+PORT = typer.Option(
+    None, "--port", "-p",
+    help="Host port of the API (above 1024). Default 1234, or the next free one when 1234 is taken.",
+)
+NAME = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>).")
+TRANSPORT = typer.Option(
+    None, "--transport",
+    help="auto (GPU passthrough where the engine can hand the GPU over, else remoting when `apirctl "
+    "machine status` is ready, else none; says why), gpu (Linux: the container gets the GPU: CDI or "
+    "/dev/dri), virtgpu (API remoting, APIR: macOS through krunkit's virtio-gpu; Linux through an apir-host "
+    "of the container's own on a private socket, no network or device needed), rpc (Linux host GPU over "
+    "llama.cpp RPC), none (container CPU).",
+)
+CTX_SIZE = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096).")
+THREADS = typer.Option(None, "--threads", "-t", help="CPU threads of llama-server (default: its choice).")
+TEMPERATURE = typer.Option(None, "--temp", "--temperature", min=0.0, help="Default sampling temperature of the server.")
+SEED = typer.Option(None, "--seed", help="Default sampling seed (the same seed repeats an answer).")
+MAX_TOKENS = typer.Option(None, "--max-tokens", min=1, help="Default limit of tokens per answer.")
+TIMEOUT = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300).")
+
+
 def serve(
-    model: str = typer.Argument(
-        None, help="Model: alias (smollm2), .gguf path, hf://, ollama://, https://, pypi://. "
-        "Default: the `default_model` setting."
-    ),
+    model: str = MODEL,
     llama_args: list[str] = _LLAMA_ARGS,
-    port: int = typer.Option(
-        None, "--port", "-p",
-        help="Host port of the API (above 1024). Default 1234, or the next free one when 1234 is taken.",
-    ),
-    name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
-    transport: str = typer.Option(
-        None, "--transport",
-        help="auto (GPU passthrough where the engine can hand the GPU over, else remoting when `apirctl "
-        "machine status` is ready, else none; says why), gpu (Linux: the container gets the GPU: CDI or "
-        "/dev/dri), virtgpu (API remoting, APIR: macOS through krunkit's virtio-gpu; Linux through an apir-host "
-        "of the container's own on a private socket, no network or device needed), rpc (Linux host GPU over "
-        "llama.cpp RPC), none (container CPU).",
-    ),
+    port: int = PORT,
+    name: str = NAME,
+    transport: str = TRANSPORT,
     image: str = typer.Option(None, "--image", help="Container image (default: apirctl's local llama.cpp image)."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
-    temperature: float = typer.Option(None, "--temp", "--temperature", min=0.0,
-                                      help="Default sampling temperature of the server."),
-    seed: int = typer.Option(None, "--seed", help="Default sampling seed (the same seed repeats an answer)."),
-    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Default limit of tokens per answer."),
+    ctx_size: int = CTX_SIZE,
+    temperature: float = TEMPERATURE,
+    seed: int = SEED,
+    max_tokens: int = MAX_TOKENS,
     restart: str = typer.Option(
         None, "--restart", metavar="POLICY",
         help="Podman restart policy: no, on-failure[:N], always, unless-stopped.",
@@ -87,7 +99,7 @@ def serve(
         "starting it; `podman kube play` or systemd runs it.",
     ),
     ngl: int = typer.Option(None, "--ngl", help="Layers offloaded to the remoted GPU (default 999 = all)."),
-    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads of llama-server (default: its choice)."),
+    threads: int = THREADS,
     api_key: str = typer.Option(None, "--api-key", help="Require this bearer key on the API."),
     host_ip: str = typer.Option(
         None, "--host-ip", help="Host address the API is published on (default 127.0.0.1: this machine only)."
@@ -97,7 +109,7 @@ def serve(
         help="Return once ready (default), or stay attached to the logs; Ctrl-C then stops the server.",
     ),
     keep: bool = typer.Option(False, "--keep", help="Keep the container when it fails, for inspection."),
-    timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
+    timeout: float = TIMEOUT,
     json_out: bool = typer.Option(False, "--json", help="Print the server as JSON once ready."),
     rpc_backend: list[str] = _RPC_BACKEND,
     gpu_device: list[str] = _GPU_DEVICE,
@@ -137,6 +149,11 @@ def serve(
         help="Unload a model after this long without requests (30s, 5m, 1h); the next request loads it "
         "again. Default: never.",
     ),
+    default_model: str = typer.Option(
+        None, "--default-model", metavar="NAME",
+        help="Several models: the one a request that names no model goes to (`apirctl ps` shows it). "
+        "Default: the first named; with --models-dir, none unless given.",
+    ),
 ) -> None:
     """Start llama-server in a container on a model (or several) and wait until it answers.
 
@@ -155,7 +172,8 @@ def serve(
     first = model or ("" if models_dir else config.settings().default_model)
     opts = lib.options(
         first, models=[first, *more] if more else None, models_dir=models_dir, models_max=models_max,
-        idle_unload=idle_unload, port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl,
+        idle_unload=idle_unload, router_default=default_model,
+        port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl,
         threads=threads, api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=llama_args,
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,
         insecure_network=insecure_network or None, ssh_options=list(ssh_option or []), temperature=temperature,
@@ -355,10 +373,16 @@ def ps(
 
 
 def _models_cell(server: Any) -> str:
-    """A router's models with the state of each that is not simply unloaded (loaded, loading, sleeping)."""
+    """A router's models with the state of each that is not simply unloaded (loaded, loading, sleeping),
+    and which is the default (where a request that names no model goes)."""
     if not server.router or not server.models:
         return str(server.model)
-    return ", ".join(name if state == "unloaded" else f"{name} ({state})" for name, state in server.models.items())
+    cells = []
+    for name, state in server.models.items():
+        notes = [note for note in (state if state != "unloaded" else "",
+                                   "default" if name == server.default_model else "") if note]
+        cells.append(f"{name} ({', '.join(notes)})" if notes else name)
+    return ", ".join(cells)
 
 
 def _print_stats(servers: list[Any], json_out: bool) -> None:
@@ -465,27 +489,21 @@ def _split_run_args(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def run(
-    model: str = typer.Argument(
-        None, help="Model: alias (smollm2), .gguf path, hf://, ollama://, https://, pypi://. "
-        "Default: the `default_model` setting."
-    ),
+    model: str = MODEL,
     args: list[str] = _RUN_ARGS,
     prompt: str = typer.Option(None, "--prompt", help="The prompt as an option (for one that starts with '-')."),
     system: str = typer.Option(None, "--system", "-s", help="System prompt."),
     image: list[str] = _RUN_IMAGE,
-    port: int = typer.Option(
-        None, "--port", "-p",
-        help="Host port of the API (above 1024). Default 1234, or the next free one when 1234 is taken.",
-    ),
-    name: str = typer.Option(None, "--name", "-n", help="Container name (default apirctl-<model>)."),
-    transport: str = typer.Option(None, "--transport", help="auto, gpu, virtgpu, rpc or none (see `serve`)."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", help="Context size in tokens (default 4096)."),
-    threads: int = typer.Option(None, "--threads", "-t", help="CPU threads of llama-server (default: its choice)."),
-    temperature: float = typer.Option(None, "--temp", "--temperature", min=0.0, help="Sampling temperature."),
-    seed: int = typer.Option(None, "--seed", help="Sampling seed (the same seed repeats an answer)."),
-    max_tokens: int = typer.Option(None, "--max-tokens", min=1, help="Stop each answer after N tokens."),
+    port: int = PORT,
+    name: str = NAME,
+    transport: str = TRANSPORT,
+    ctx_size: int = CTX_SIZE,
+    threads: int = THREADS,
+    temperature: float = TEMPERATURE,
+    seed: int = SEED,
+    max_tokens: int = MAX_TOKENS,
     keep: bool = typer.Option(False, "--keep", help="Leave the server running when the chat ends."),
-    timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
+    timeout: float = TIMEOUT,
 ) -> None:
     """Serve a model and chat with it in one command, as `ollama run` and `ramalama run` do.
 
@@ -530,7 +548,7 @@ def _default_model() -> str:
 
 def restart(
     name: str = typer.Argument(None, help="Server name (optional when only one exists)."),
-    timeout: float = typer.Option(None, "--timeout", help="Seconds to wait for the model to load (default 300)."),
+    timeout: float = TIMEOUT,
     json_out: bool = typer.Option(False, "--json", help="Print the server as JSON once ready."),
 ) -> None:
     """Restart a server's container (stopped or running) and wait until it answers again.

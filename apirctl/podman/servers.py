@@ -34,6 +34,8 @@ L_RPC_LINK = "apirctl.rpc-link"  # rpc: unix (a backend of its own, on a mounted
 L_RPC_INSTANCE = "apirctl.rpc-instance"  # rpc: the backend instance it was started against (random per start)
 L_ROUTER = "apirctl.router"  # "true": llama-server's router mode, several models (L_MODEL names them, comma-separated)
 L_MODELS_DIR = "apirctl.models-dir"  # router: the host directory it lists, when given instead of models
+L_DEFAULT_MODEL = "apirctl.default-model"  # router: the model a request that names none goes to
+L_INPUTS = "apirctl.serve-inputs"  # JSON: the options, model and image it was built from (restart builds it again)
 L_APIR_HOST = "apirctl.apir-host"  # virtgpu on Linux: the id of its own apir-host (apirctl.remoting.apir_hosts)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
 L_APIR = "llama-cpp.apir"
@@ -76,6 +78,7 @@ class Server(BaseModel):
     router: bool = False  # several models behind one endpoint (llama-server's router mode)
     models_dir: str = ""  # router: the host directory it lists, when it was given one
     models: dict[str, str] = Field(default_factory=dict)  # router: each model's state (loaded, unloaded, sleeping...)
+    default_model: str = ""  # router: the model a request without a `model` goes to ("": none, it must name one)
 
     @property
     def model_names(self) -> list[str]:
@@ -149,6 +152,7 @@ def from_listed(item: dict[str, Any]) -> Server:
         exit_code=_exit_code(item),
         router=labels.get(L_ROUTER) == "true",
         models_dir=labels.get(L_MODELS_DIR, ""),
+        default_model=labels.get(L_DEFAULT_MODEL, ""),
     )
 
 

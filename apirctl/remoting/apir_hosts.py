@@ -17,7 +17,8 @@ The host runs under a small `sh` watcher (its process group leader) that logs ho
 exit status, or the signal that killed it. `problem()` quotes that line, so `ps` and `machine
 status` can say *why* a host is gone, which a pid alone cannot tell after the fact. Records live in
 the state directory (never in the mounted one: a container must not be able to point apirctl at
-another process); staleness follows `apirctl.remoting.backends`.
+another process); records, owners and staleness follow `apirctl.remoting.supervised`: a host is kept
+by an *existing* container. `_command` alone builds the host's command line.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import time
@@ -34,12 +34,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel
-
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure, private_dir, socket_path
-from apirctl.remoting.backends import failure_line, is_backend_process, proc_state, terminate
-from apirctl.remoting.records import RecordStore
+from apirctl.remoting import supervised
+from apirctl.remoting.supervised import Registry, Supervised, failure_line, reap
 
 if TYPE_CHECKING:
     from apirctl.build.llamacpp import Build
@@ -85,29 +83,13 @@ done
 """
 RESPAWN_LIMIT = 10
 
-_children: list[subprocess.Popen[bytes]] = []
 
+class Host(Supervised):
+    """One apir-host of one APIR container (state dir, JSON); `id` is the container's `apirctl.apir-host`
+    label, `pid` the apir-host process."""
 
-def _reap() -> None:
-    for child in list(_children):
-        if child.poll() is not None:
-            _children.remove(child)
-
-
-class Host(BaseModel):
-    """One apir-host of one APIR container (state dir, JSON)."""
-
-    id: str  # 8 hex digits: the container's `apirctl.apir-host` label
-    pid: int = 0  # the apir-host process
     watcher: int = 0  # the sh that runs it (its process group)
-    directory: str  # the private directory holding the socket (mounted into the container)
-    log: str
     trace: str | None = None  # the trace file (`apir-host --trace`), when tracing is on
-    started_at: float
-    owner_pid: int = 0  # the apirctl process setting it up: while it lives, the host is not stale
-    owner_start: str = ""
-    container: str = ""  # the container's id once it exists
-    name: str = ""  # the container's (or the bench run's) name
     binary: str = ""
     backend_library: str = ""
     ggml_library: str = ""
@@ -128,24 +110,19 @@ def traces_dir() -> Path:
     return dirs().logs / "apir-traces"
 
 
-_records: RecordStore[Host] = RecordStore(Host, records_dir)
+#: A host is kept by an existing container: Podman's restart policy (or `apirctl restart`) starts the
+#: container again against it, and a host that died stays recorded, so `ps` can say why.
+_registry: Registry[Host] = Registry(Host, records_dir, "apir", keep="existing")
+_write = _registry.write
+get = _registry.get
+hosts = _registry.all
+attach = _registry.attach
+keepers = _registry.keepers
+release = _registry.release
 
 
 def _pid_file(host_id: str) -> Path:
-    return _records.path(host_id, ".pid")
-
-
-def _write(host: Host) -> None:
-    _records.write(host.id, host)
-
-
-def get(host_id: str) -> Host | None:
-    return _records.get(host_id)
-
-
-def hosts() -> list[Host]:
-    """Every recorded host, oldest first (stale ones too: `clean` removes those)."""
-    return sorted(_records.all(), key=lambda h: h.started_at)
+    return _registry.store.path(host_id, ".pid")
 
 
 def current_pid(host: Host) -> int:
@@ -158,7 +135,7 @@ def current_pid(host: Host) -> int:
 
 def alive(host: Host) -> bool:
     pid = current_pid(host)
-    return bool(pid) and is_backend_process(pid, BINARY)
+    return bool(pid) and supervised.is_process(pid, BINARY)
 
 
 # --- what a build offers ------------------------------------------------------------------------
@@ -207,13 +184,13 @@ def start(build: Build, name: str, trace: bool = False, respawn: bool = False) -
     host_id = secrets.token_hex(4)
     directory = base / f"apir-{host_id}"
     socket_path(directory, SOCKET_NAME)
-    own = proc_state(os.getpid())
+    owner_pid, owner_start = supervised.owner()
     trace_file = None
     if trace:
         safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in name)[:60] or "apir"
         trace_file = str(ensure(traces_dir()) / f"{safe}-{host_id}.trace")
     host = Host(id=host_id, directory=str(directory), log=str(dirs().logs / f"apir-host-{host_id}.log"),
-                trace=trace_file, started_at=time.time(), owner_pid=os.getpid(), owner_start=own[1] if own else "",
+                trace=trace_file, started_at=time.time(), owner_pid=owner_pid, owner_start=owner_start,
                 name=name, binary=str(binary), backend_library=str(backend_library), ggml_library=str(ggml_library),
                 reg=reg, respawn=respawn)
     try:
@@ -250,7 +227,7 @@ def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
                                     str(RESPAWN_LIMIT), *command],
                                    stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
                                    start_new_session=True, restore_signals=False)
-    _children.append(watcher)
+    supervised.adopt(watcher)
     host.watcher = watcher.pid
     _write(host)
     deadline = time.monotonic() + timeout
@@ -290,7 +267,7 @@ def revive(host_id: str) -> Host:
     if alive(host):
         return host
     if host.watcher:
-        terminate(host.watcher, timeout=2.0, binary="sh")
+        supervised.terminate(host.watcher, "sh", 2.0)
     _pid_file(host.id).unlink(missing_ok=True)
     directory = Path(host.directory)
     private_dir(directory.parent)
@@ -303,70 +280,36 @@ def revive(host_id: str) -> Host:
     return host
 
 
-def attach(host: Host, container_id: str) -> Host:
-    """Record the container the host serves (from then on the container decides staleness)."""
-    host.container = container_id
-    _write(host)
-    return host
-
-
-def release(host: Host) -> Host:
-    """The container is up: its state alone decides from now on whether the host is stale."""
-    host.owner_pid, host.owner_start = 0, ""
-    _write(host)
-    return host
-
-
 def stop(host: Host | str) -> None:
     """Stop the host (SIGTERM: it removes its socket), then its directory, record, pid file and log.
     The trace stays, for `apirctl apir trace` after the server is gone."""
     found = get(host) if isinstance(host, str) else host
     if found is None:
         return
-    _reap()
-    if found.watcher and is_backend_process(found.watcher, "sh"):  # first, so that it starts no new host
+    reap()
+    if found.watcher and supervised.is_process(found.watcher, "sh"):  # first, so that it starts no new host
         with contextlib.suppress(ProcessLookupError):
             os.kill(found.watcher, signal.SIGTERM)
     pid = current_pid(found)
     if pid:
-        terminate(pid, binary=BINARY)
+        supervised.terminate(pid, BINARY)
     if found.watcher:
-        terminate(found.watcher, timeout=2.0, binary="sh")
-    _reap()
-    directory = Path(found.directory)
-    if directory.parent == dirs().runtime and directory.name == f"apir-{found.id}":
-        shutil.rmtree(directory, ignore_errors=True)
-    _records.remove(found.id)
+        supervised.terminate(found.watcher, "sh", 2.0)
+    reap()
     _pid_file(found.id).unlink(missing_ok=True)
-    Path(found.log).unlink(missing_ok=True)
-
-
-def _owner_alive(host: Host) -> bool:
-    if not host.owner_pid:
-        return False
-    state = proc_state(host.owner_pid)
-    return state is not None and state[0] not in ("Z", "X") and (not host.owner_start or state[1] == host.owner_start)
+    _registry.remove(found)
 
 
 def stale(host: Host, existing: Iterable[str]) -> bool:
     """No apirctl process is setting it up, and its container no longer exists. A host outlives
-    its container's exit on purpose: Podman's restart policy (or `apirctl restart`) starts the
-    container again against it, and a host that died stays recorded, so `ps` can say why."""
-    if _owner_alive(host):
-        return False
-    return not host.container or host.container not in set(existing)
+    its container's exit on purpose (see `_registry`)."""
+    return _registry.stale(host, existing)
 
 
 def clean(existing: Iterable[str]) -> list[str]:
     """Stop the hosts whose containers are gone (`existing`: the ids of the containers that exist,
     running or not); returns their names."""
-    existing = set(existing)
-    removed = []
-    for host in hosts():
-        if stale(host, existing):
-            stop(host)
-            removed.append(host.name or host.id)
-    return removed
+    return _registry.clean(existing, stop)
 
 
 # --- why a host is gone -----------------------------------------------------------------------------
@@ -396,7 +339,7 @@ def problem(host_id: str) -> str | None:
         return None
     how = ending(host)
     deadline = time.monotonic() + 1.0
-    while how is None and host.watcher and is_backend_process(host.watcher, "sh") and time.monotonic() < deadline:
+    while how is None and host.watcher and supervised.is_process(host.watcher, "sh") and time.monotonic() < deadline:
         time.sleep(0.02)  # the host has just died: its watcher is writing how
         how = ending(host)
     return f"apir host down: {how}" if how else f"apir host down (pid {current_pid(host)} is gone; see {host.log})"
@@ -423,7 +366,8 @@ def trace_of(server: str | None = None) -> Path:
             if server in (host.name, host.container) or (len(server) >= 6 and host.container.startswith(server)):
                 if not host.trace:
                     raise ApirctlError(f"the apir host of {server} does not trace",
-                                       hint="serve it with --apir-trace (or `apirctl config set apir_trace true`)")
+                                       hint="serve it with --apir-trace, or turn tracing on for every server "
+                                       "with `apirctl config`")
                 return Path(host.trace)
         raise ApirctlError(f"no apir host serves {server!r}",
                            hint="`apirctl ps` lists servers; APIR servers run with --transport virtgpu")

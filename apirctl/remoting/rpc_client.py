@@ -57,7 +57,7 @@ class Command(IntEnum):
     DEVICE_COUNT = 15
     GRAPH_RECOMPUTE = 16
     MEMSET_TENSOR = 17
-    # host buffers shared on shared-memory connections (llama_patches/ 0011)
+    # host buffers shared on shared-memory connections (llama_patches/ 0007)
     SHARE_HOST_BUFFER = 18
     UNSHARE_HOST_BUFFER = 19
     SET_TENSOR_SHARED = 20

@@ -357,7 +357,7 @@ def own_backends(found: list[Server] | None = None, gpu: dict[int, int] | None =
     `nvidia.memory_by_process`)."""
     found = _listing() if found is None else found
     if found is not None:
-        backends.clean(s.id for s in found if s.running)
+        backends.clean(backends.keepers(found))
     names = {s.id: s.name for s in found or []}
     lines = []
     for instance in backends.instances():
@@ -375,7 +375,7 @@ def own_apir_hosts(found: list[Server] | None = None, gpu: dict[int, int] | None
     if not apir_hosts.hosts():
         return []
     if found is not None:
-        apir_hosts.clean(s.id for s in found)
+        apir_hosts.clean(apir_hosts.keepers(found))
     names = {s.id: s.name for s in found or []}
     return [apir_hosts.describe(h, names.get(h.container)) + _gpu_memory(apir_hosts.current_pid(h), gpu)
             for h in apir_hosts.hosts()]

@@ -14,6 +14,7 @@ import struct
 import sys
 
 from apirctl.resident.shared import (
+    CONFIRM_SECONDS,
     IDLE_SECONDS,
     MAX_REQUEST,
     PROTOCOL,
@@ -453,7 +454,7 @@ def _confirmed(conn: socket.socket) -> list[int] | None:
     (it runs the command itself when the pid came too late, and then never sends it). None otherwise."""
     import socket
 
-    conn.settimeout(REQUEST_SECONDS)
+    conn.settimeout(CONFIRM_SECONDS)
     try:
         data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 16, 3)
         message = Reader(conn, data).next()

@@ -15,10 +15,24 @@ if TYPE_CHECKING:
 
 PROTOCOL = 2  # 2: the caller confirms ("go") before the command runs
 IDLE_SECONDS = 15 * 60
+ENV_ANSWER = "APIRCTL_RESIDENT_ANSWER_SECONDS"  # the caller's wait, longer (tests that need the fork, under load)
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
 # How long the caller waits for the resident process to take its command (connect, send, the child's
 # pid) before it runs the command itself; and how long the resident process waits for a request.
-ANSWER_SECONDS = 2.0
+ANSWER_SECONDS = _seconds(ENV_ANSWER, 2.0)
 REQUEST_SECONDS = 2.0
+# How long a child waits for the caller's "go" after sending its pid: at least as long as a caller may
+# wait for that pid, so a caller that got the pid in time is never left without its command.
+CONFIRM_SECONDS = max(REQUEST_SECONDS, ANSWER_SECONDS)
 MAX_REQUEST = 1 << 20
 ENV_SWITCH = "APIRCTL_RESIDENT"  # "1" turns the resident process on, "0" off (default: the config file)
 ENV_DIR = "APIRCTL_RESIDENT_DIR"  # where the socket lives (tests use their own)

@@ -1,8 +1,11 @@
 """Inference servers: llama-server in a Podman container, reached over OpenAI's HTTP API.
 
-`inputs` (the options: flags over settings; the port; the model file, or a router's set of models), `starting`
-(plan → model → image → container spec → create → start → wait for /health, top to bottom), `servers` (the
-running servers from their labels, with health and a router's models; logs; stop).
+`inputs` (the options: flags over settings; the port; the model file, or a router's set of models), `spec`
+(the container spec, built one way: serve, --generate and restart's rewiring), `provision` (one step that
+claims the port, plans, resolves the model, starts the host processes a transport needs and builds the
+spec, releasing what it made when the start fails), `starting` (provision → create → start → wait for
+/health, top to bottom; generate; restart), `servers` (the running servers from their labels, with health
+and a router's models; logs; stop).
 """
 
 from __future__ import annotations

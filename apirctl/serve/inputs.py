@@ -9,7 +9,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from apirctl import config, host, models
 from apirctl.errors import ApirctlError
@@ -20,7 +20,10 @@ if TYPE_CHECKING:
 
 
 class ServeOptions(BaseModel):
-    """Everything `apirctl serve` takes; defaults come from `apirctl.config`."""
+    """Everything `apirctl serve` takes; defaults come from `apirctl.config`. An unknown key is an error:
+    a misspelt option must not be dropped."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     port: int = 1234
@@ -53,6 +56,7 @@ class ServeOptions(BaseModel):
     models_dir: Path | None = None  # a host directory of GGUFs the router lists (instead of `models`)
     models_max: int | None = None  # router: models loaded at once (0: no limit; default llama-server's 4)
     idle_unload: int | None = None  # seconds without requests after which a model is unloaded (None: never)
+    router_default: str | None = None  # --default-model: where a request naming no model goes (None: the first)
 
     @property
     def router(self) -> bool:
@@ -63,9 +67,18 @@ class ServeOptions(BaseModel):
 # --- options -----------------------------------------------------------------------------------
 
 
+#: The options whose default is a setting of `apirctl.config` of the same name: a flag left out (None)
+#: takes the setting's value (config file, environment), a flag given wins.
+SETTING_OPTIONS = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace")
+
+
 def options(model: str, **flags: Any) -> ServeOptions:
-    """ServeOptions from the effective settings (config file, environment) and the given flags."""
-    keys = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace")
+    """ServeOptions from the effective settings (config file, environment) and the given flags (None:
+    not given). A key that is no field of ServeOptions raises TypeError, whatever its value."""
+    unknown = sorted(set(flags) - set(ServeOptions.model_fields) - {"model"})
+    if unknown or "model" in flags:
+        raise TypeError(f"options() got unknown options: {', '.join(unknown or ['model'])}")
+    keys = SETTING_OPTIONS
     if flags.get("rpc_backends") and flags.get("gpu_devices"):
         raise ApirctlError("--rpc-backend and --gpu-device are two different transports",
                            hint="keep --gpu-device for GPU passthrough or --rpc-backend for remoting")
@@ -109,6 +122,14 @@ def _router_flags(model: str, flags: dict[str, Any]) -> dict[str, Any]:
         flags = {**flags, "models_dir": path.resolve()}
     if len(set(refs)) < len(refs):
         raise ApirctlError("a model is named twice", hint="name each model once")
+    chosen = flags.get("router_default")
+    if chosen is not None:
+        if len(refs) < 2 and directory is None:
+            raise ApirctlError("--default-model picks one of the models of a server of several",
+                               hint="name several models (`serve A B`) or give --models-dir")
+        if directory is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", chosen):
+            raise ApirctlError(f"--default-model {chosen!r} is not a model's name",
+                               hint="a name as `apirctl ps` lists it: letters, digits, '.', '_' and '-'")
     flags = {**flags, "models": refs if len(refs) > 1 else []}
     models_max = flags.get("models_max")
     if models_max is not None:
@@ -342,6 +363,7 @@ class ModelSet(BaseModel):
 
     models: list[ModelFile] = Field(default_factory=list)
     directory: Path | None = None
+    default: str | None = None  # the model a request that names none goes to (None: it must name one)
 
     @property
     def names(self) -> list[str]:
@@ -357,8 +379,8 @@ def resolve_models(opts: ServeOptions) -> ModelSet:
     """The router's models, each named as llama-server will list it (a directory's name: letters,
     digits, '.', '_' and '-'); two models of one name, or a model that does not chat, are refused
     (the router gives every model the same llama-server flags, and --embeddings is not a chat's)."""
-    if opts.models_dir is not None:
-        return ModelSet(directory=opts.models_dir)
+    if opts.models_dir is not None:  # its names are the router's to list: the default is checked once it runs
+        return ModelSet(directory=opts.models_dir, default=opts.router_default)
     found: list[ModelFile] = []
     for ref in opts.models:
         model = resolve_model(ref)
@@ -370,4 +392,17 @@ def resolve_models(opts: ServeOptions) -> ModelSet:
             raise ApirctlError(f"two of the models are called {name}", hint="serve one of them on its own, or "
                                "give one another file name")
         found.append(model.model_copy(update={"name": name}))
-    return ModelSet(models=found)
+    return ModelSet(models=found, default=_default_of(opts, found))
+
+
+def _default_of(opts: ServeOptions, found: list[ModelFile]) -> str:
+    """The router's default model: --default-model, by the name it is served under or as it was named on
+    the command line, else the first model named."""
+    chosen = opts.router_default
+    if chosen is None:
+        return found[0].name
+    for ref, model in zip(opts.models, found, strict=True):
+        if chosen in (ref, model.name):
+            return model.name
+    raise ApirctlError(f"--default-model {chosen} is not one of the models served",
+                       hint="one of: " + ", ".join(m.name for m in found))

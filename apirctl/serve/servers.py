@@ -97,7 +97,7 @@ def _rpc_problem(server: Server) -> str | None:
 def _own_backends(servers: list[Server]) -> None:
     """Stop the backends of containers that no longer run (a container that died leaves nothing
     behind), and show which links moved to shared memory (the backend's record knows)."""
-    backends.clean(s.id for s in servers if s.running)
+    backends.clean(backends.keepers(servers))
     for server in servers:
         if server.rpc_link == "unix" and server.rpc_instance:
             instance = backends.get(server.rpc_instance)
@@ -143,7 +143,7 @@ def _own_apir_hosts(servers: list[Server], listed_all: bool) -> None:
     if not apir_hosts.hosts():
         return
     existing = servers if listed_all else podman_servers.list_servers(True)
-    apir_hosts.clean(s.id for s in existing)
+    apir_hosts.clean(apir_hosts.keepers(existing))
 
 
 def _health_of(server: Server) -> str:

@@ -200,7 +200,7 @@ SHAPES = st.lists(st.integers(1, 9), min_size=1, max_size=4)
        params=st.lists(I32, max_size=16))
 def test_backend_rebuilds_our_graphs(harness, k: int, m: int, n: int, name: str,  # type: ignore[no-untyped-def]
                                      params: list[int]) -> None:
-    # the backend library's decoder (patch 0013) takes tensors in a buffer its client owns: the
+    # the backend library's decoder (patch 0009) takes tensors in a buffer its client owns: the
     # harness's one buffer, by the id the library gave it
     buffer = int(harness.ask("buffer"))
     a = tensor.Tensor((k, m), name="a", buffer=buffer, offset=0)

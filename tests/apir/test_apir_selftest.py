@@ -40,7 +40,7 @@ def test_selftest_passes_on_the_cpu_library(backend_libs: Libs) -> None:
 
 
 def test_freeing_the_shared_buffer_and_deinit_work_with_the_patched_library(backend_libs: Libs) -> None:
-    # Upstream's library crashed in buffer_free_buffer here on CPU (docs/apir.md, finding 5): patch 0007
+    # Upstream's library crashed in buffer_free_buffer here on CPU (docs/apir.md, finding 5): patch 0008
     # frees through ggml_backend_buffer_free. Crashes are still reported: see the crashing probes.
     report = selftest.run(*backend_libs, cheap_calls=10, graph_calls=2, free_shared=True)
     assert report.ok and report.crashed_in is None, report.model_dump_json(indent=1)
@@ -105,7 +105,7 @@ def test_cli_selftest_json(backend_libs: Libs) -> None:
 
 
 def test_cli_selftest_frees_the_shared_buffer_with_the_patched_library(backend_libs: Libs) -> None:
-    # upstream's library crashed here on CPU (docs/apir.md, finding 5); patch 0007 frees it through ggml
+    # upstream's library crashed here on CPU (docs/apir.md, finding 5); patch 0008 frees it through ggml
     lib, ggml, reg = backend_libs
     done = _cli("backend", "selftest", "--library", str(lib), "--ggml-library", str(ggml), "--reg", reg,
                 "--calls", "5", "--graph-calls", "1", "--free-shared-buffer")

@@ -1,4 +1,4 @@
-"""64-bit shapes and strides on the wire (llama_patches 0021), against the real backend library.
+"""64-bit shapes and strides on the wire (llama_patches 0014), against the real backend library.
 
 A client that asks EXT_GET_FEATURES for FEATURE_WIDE_TENSORS and is granted it sends every tensor as
 `apir_rpc_tensor_wide`: a shape or stride past 32 bits reaches the host's backend as it was, and the

@@ -68,10 +68,14 @@ def test_answer_streams_plain_then_is_rendered(
 ) -> None:
     served = start_resident() if mode == "resident" else None
     server = scripted(ANSWER, hold_after=6)  # the stream stops after "Use **twice** and `int`:"
-    pane = chat_pane(tmp_path, server.url, env={"APIRCTL_RESIDENT": "0" if served is None else "1"})
+    # in the resident process, however long its fork takes on a loaded machine (by default the caller
+    # gives up after 2 s and runs the session itself)
+    env = {"APIRCTL_RESIDENT": "0"} if served is None else {"APIRCTL_RESIDENT": "1",
+                                                             "APIRCTL_RESIDENT_ANSWER_SECONDS": "120"}
+    pane = chat_pane(tmp_path, server.url, env=env)
     try:
         pane.line("How do I double a number?")
-        assert server.wait_held()
+        assert server.wait_held(), pane.scrollback()  # the request came (the pane says what happened if not)
         # Mid-answer: the pieces so far, as plain text, as they came.
         streaming = pane.wait(r"Use \*\*twice\*\* and `int`:")
         assert "# Doubling" in streaming

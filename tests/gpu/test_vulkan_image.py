@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from tests.conftest import shared_env
+from tests.support import native_builds
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,13 +45,16 @@ def vulkan_image() -> str:
     with shared_env():
         if not any("lvp" in library.name for _, library in image.vulkan_drivers()):
             pytest.skip("lavapipe is not installed (`bash scripts/system-deps.sh --vulkan`)")
-        build = llamacpp.vulkan_build()
+        # the test cache's, else `apirctl setup --vulkan`'s (copied), else built: 15 minutes on 2 cores cold,
+        # a fraction of that with ccache warm (docs/testing.md)
+        build = llamacpp.vulkan_build() or native_builds.from_user_cache(llamacpp.vulkan_options())
         if build is None:
             lacking = vulkan.missing()
             if lacking:
                 pytest.skip(f"no Vulkan build, and it needs {', '.join(lacking)} "
                             "(`bash scripts/system-deps.sh --vulkan`)")
-            build = llamacpp.build(llamacpp.vulkan_options())  # the first run: minutes on 2 cores
+            with native_builds.timed("llama.cpp Vulkan build (image-only targets)"):
+                build = llamacpp.build(llamacpp.vulkan_options())
         return image.ensure(build)
 
 

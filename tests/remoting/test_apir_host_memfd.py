@@ -1,7 +1,7 @@
 """apir-host and the memfds a client sends it, with real processes: the seals are checked before the
 size, so a client that truncates and seals its memfd between two checks (found by the shim of
 tests/remoting/shim/memfd_race.c, which widens the window) is refused instead of mapped, and the host
-goes on serving. The same check as the RPC server's (llama_patches 0014, `ggml_shm_memfd_check`)."""
+goes on serving. The same check as the RPC server's (llama_patches 0001, `ggml_shm_memfd_check`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """API remoting on Linux without a VM: the patched ggml-virtgpu frontend against `apir-host`, with real processes.
 
-`apir-host` (llama_patches 0006) does what virglrenderer's APIR component does for krunkit: it maps
+`apir-host` (llama_patches 0008) does what virglrenderer's APIR component does for krunkit: it maps
 the frontend's shared memory, answers HANDSHAKE and LOADLIBRARY, and hands FORWARD commands to the
 real host backend library. Here it runs on the CPU backend: built with AddressSanitizer and
 UndefinedBehaviorSanitizer and fed hostile clients, and as built by `apirctl setup` behind the
@@ -30,7 +30,7 @@ from apirctl.apir import extensions, messages, table
 from apirctl.apir import trace as apir_trace
 from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL_MAT, Graph, RpcTensor, Tensor
 from apirctl.build import llamacpp
-from tests.support import build_servers, upstream_apir
+from tests.support import build_servers, native_builds, upstream_apir
 from tests.support.build_servers import greedy_tokens
 from tests.support.waiting import wait_for
 
@@ -151,15 +151,13 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip("no C++ compiler")
     src = llamacpp.source_dir()
     virtgpu = src / "ggml/src/ggml-virtgpu"
-    exe = tmp_path_factory.mktemp("asan") / "apir-host"
-    build = subprocess.run(
-        [compiler, "-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
-         "-Wno-unused-parameter", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-         "-fno-omit-frame-pointer", f"-I{virtgpu}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/include'}",
-         f"-I{virtgpu / 'backend'}", str(virtgpu / "host/apir-host.cpp"), "-o", str(exe), "-ldl"],
-        capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
-    return exe
+    return native_builds.compile_program(
+        compiler, ["-std=c++20", "-O1", "-g", "-Wall", "-Wextra", "-Werror", "-Wno-unused-function",
+                   "-Wno-unused-parameter", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                   "-fno-omit-frame-pointer", f"-I{virtgpu}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/include'}",
+                   f"-I{virtgpu / 'backend'}"],
+        [virtgpu / "host/apir-host.cpp"], tmp_path_factory.mktemp("asan") / "apir-host", ["-ldl"],
+        "apir-host (sanitized)", timeout=300)
 
 
 @contextlib.contextmanager
@@ -449,7 +447,7 @@ def test_same_greedy_tokens_native_and_through_apir_host(llama_build: llamacpp.B
                  lambda: "client disconnected" in host_log.read_text(errors="replace"), 30)
     assert remote == native
     # the generation ran on the host: a graph compute per token at least, through the trace (one
-    # ext_graph_run each: the frontend and the host both have patch 0019)
+    # ext_graph_run each: the frontend and the host both have patch 0013)
     calls = decode_trace(trace)
     assert sum(1 for r in calls if r[0] == FORWARD and r[1] == extensions.GRAPH_RUN and r[2] == FORWARD_BASE) >= 24
     assert not any(r[1] == GRAPH_COMPUTE for r in calls if r[0] == FORWARD)
@@ -516,7 +514,7 @@ def test_socket_set_but_no_host_is_a_clear_error(llama_build: llamacpp.Build, de
     assert "cannot connect to the APIR host at GGML_VIRTGPU_SOCKET=" in done.stderr
 
 
-# --- EXT_GRAPH_RUN (patch 0019): a token's exchange in one call, graphs kept by id -----------------
+# --- EXT_GRAPH_RUN (patch 0013): a token's exchange in one call, graphs kept by id -----------------
 
 DATA_RES, OUT_RES = 2, 3
 WRITES_AT, X_AT, Y_AT = 1 << 18, 1 << 19, (1 << 19) + 64  # in the data resource, after the graph
@@ -920,7 +918,7 @@ def test_an_op_wider_than_the_wire_is_claimed_only_with_the_wide_records(asan_ho
     """Without the wide records (GGML_VIRTGPU_WIDE_TENSORS=0, or a host library that lacks them:
     upstream's), a graph's tensors reach the host as apir_rpc_tensor, with 32-bit shapes and strides, so
     the frontend does not claim an op with a tensor of 2^32 rows (which the CPU device takes), and it is
-    never cut short. With them (patch 0021, negotiated) it is claimed, and a tensor of 2^33 rows crosses
+    never cut short. With them (patch 0014, negotiated) it is claimed, and a tensor of 2^33 rows crosses
     intact: written, read back and computed from through the frontend and apir-host."""
     client_env = {"GGML_VIRTGPU_WIDE_TENSORS": "0"} if mode == "narrow" else {}
     host, host_env, backend_library = asan_host, None, None

@@ -208,7 +208,7 @@ def test_apir_containers_generate_natives_tokens_and_survive_their_hosts_death(
     assert summary["graph_computes"] >= 16 and summary["failed"] == 0 and summary["calls_per_compute"] > 1
     functions = {f["function"] for f in summary["functions"]}
     assert {"handshake", "loadlibrary", "device_buffer_from_ptr", "ext_get_features", "ext_graph_run"} <= functions
-    # the container's frontend names its kept graphs by id (patch 0019): the graph cache is in use
+    # the container's frontend names its kept graphs by id (patch 0013): the graph cache is in use
     assert "backend_graph_compute" not in functions
     # an id the host dropped (a buffer freed or cleared) is answered unknown and the graph sent again
     cache = summary["graph_cache"]

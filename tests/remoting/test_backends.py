@@ -59,3 +59,26 @@ def test_only_a_directory_of_its_own_is_removed(tmp_path: Path) -> None:
     backends._write(instance)
     backends.stop(instance.id)
     assert outside.exists() and backends.get(instance.id) is None
+
+
+def test_one_staleness_rule_for_both_kinds_the_keeping_containers_a_parameter() -> None:
+    """A backend is kept by a running container, an apir-host by an existing one (stopped included):
+    one `supervised.Registry` rule, the `keep` parameter picks which containers count."""
+    from dataclasses import dataclass
+
+    from apirctl.remoting import apir_hosts, supervised
+
+    @dataclass
+    class Container:
+        id: str
+        running: bool
+
+    listed = [Container("up", True), Container("stopped", False)]
+    assert backends._registry.keepers(listed) == ["up"]
+    assert apir_hosts._registry.keepers(listed) == ["up", "stopped"]
+    on_stopped = record("2222aaaa", container="stopped")
+    assert backends._registry.stale(on_stopped, backends._registry.keepers(listed))
+    assert not apir_hosts._registry.stale(on_stopped, apir_hosts._registry.keepers(listed))  # type: ignore[arg-type]
+    owned = record("2222bbbb", container="stopped", owner=os.getpid())  # set up by a live apirctl: never stale
+    assert not backends._registry.stale(owned, [])
+    assert supervised.owner() == (os.getpid(), supervised.proc_state(os.getpid())[1])  # type: ignore[index]

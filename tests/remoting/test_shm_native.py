@@ -31,6 +31,7 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
+from tests.support import native_builds
 from tests.support.build_servers import greedy_tokens, llama_server
 from tests.support.waiting import wait_for
 
@@ -44,7 +45,7 @@ RING0_HEAD = 256  # offset of ring 0's write position in the control page
 RING1_HEAD = 768  # and ring 1's (server to client)
 RING0_DATA_SEQ = RING0_HEAD + 128  # ring 0's futex word, bumped for a reader that sleeps
 RING0_READER_SLEEPING = RING0_DATA_SEQ + 4  # set by the server while it sleeps on that word
-HOST_BUFFERS = 1  # the shm capability's feature bit: host buffers shared with the server (llama_patches/ 0011)
+HOST_BUFFERS = 1  # the shm capability's feature bit: host buffers shared with the server (llama_patches/ 0007)
 # commands of the protocol (their numbers in ggml-rpc.cpp)
 ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR = 0, 3, 6, 8
 SHARE_HOST_BUFFER, UNSHARE_HOST_BUFFER, SET_TENSOR_SHARED, GET_TENSOR_SHARED = 18, 19, 20, 21
@@ -236,18 +237,15 @@ def build_rpc_server(name: str, options: list[str]) -> Path:
     with shared_env():
         src = llamacpp.source_dir()
         build_dir = SHARED_CACHE / name / llamacpp.patches_digest()[:16]
-    exe = build_dir / "bin" / "ggml-rpc-server"
+    exe = build_dir / "cmake" / "bin" / "ggml-rpc-server"
     if not exe.exists():
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        configure = ["cmake", "-S", str(src), "-B", str(build_dir), *generator, "-DCMAKE_BUILD_TYPE=Debug",
-                     "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF", "-DGGML_RPC=ON",
-                     "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                     "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
-                     "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
-        for cmd in (configure, ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2),
-                                "--target", "ggml-rpc-server"]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        args = ["-DCMAKE_BUILD_TYPE=Debug", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
+                "-DGGML_RPC=ON", "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
+                "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
+        build_dir.mkdir(parents=True, exist_ok=True)
+        native_builds.cmake_build(src, build_dir, args, ("ggml-rpc-server",), f"{name} (Debug, static)",
+                                  timeout=1200)
     return exe
 
 
@@ -303,14 +301,12 @@ def test_channel_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path
         pytest.skip("no C++ compiler")
     src = llamacpp.source_dir()
     test_cpp = Path(llamacpp.patch_series()[0]).parent / "tests" / "shm_channel_test.cpp"
-    exe = tmp_path / "shm_channel_test"
-    build = subprocess.run(
-        [compiler, "-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror",
-         "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
-         f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/src/ggml-rpc'}",
-         str(test_cpp), str(src / "ggml/src/ggml-rpc/transport-shm.cpp"), "-o", str(exe), "-lpthread"],
-        capture_output=True, text=True, timeout=300)
-    assert build.returncode == 0, build.stderr[-3000:]
+    exe = native_builds.compile_program(
+        compiler, ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Wno-unused-function", "-Werror",
+                   "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer",
+                   f"-I{src / 'ggml/include'}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/src/ggml-rpc'}"],
+        [test_cpp, src / "ggml/src/ggml-rpc/transport-shm.cpp"], tmp_path / "shm_channel_test", ["-lpthread"],
+        "the shm channel test (sanitized)", timeout=300)
     run = subprocess.run([str(exe), "400"], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=1"})
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
@@ -331,7 +327,7 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         shm = greedy_tokens(url)
         assert b"RPC: shared-memory transport" in log.read_bytes()
-        # the logits and the inputs in host buffers that the server maps (llama_patches/ 0011)
+        # the logits and the inputs in host buffers that the server maps (llama_patches/ 0007)
         assert b"shared host buffer 1: " in log.read_bytes()
     # weights read from the file, not mapped (--load-mode none): llama.cpp uploads them through staging
     # buffers of the host buffer type, so they go from shared memory to the device (SET_TENSOR_SHARED)
@@ -340,12 +336,12 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
                          [*rpc_offload(endpoint), "--load-mode", "none"]) as (_, url, _log2):
         uploaded = greedy_tokens(url)
         assert log.read_bytes().count(b"shared host buffer") >= 4  # the loader's staging buffers, then more
-    # the rings alone, as before 0011
+    # the rings alone, as before 0007
     with rpc_server(llama_build, workdir, "unix", {"GGML_RPC_NO_HOST_SHARE": "1"}) as (_, endpoint, log), \
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         rings = greedy_tokens(url)
         assert b"shared host buffer" not in log.read_bytes()
-    # the copies from and to pageable memory, as before the staging memory (llama_patches/ 0008)
+    # the copies from and to pageable memory, as before the staging memory (llama_patches/ 0004)
     with rpc_server(llama_build, workdir, "unix", {"GGML_RPC_NO_STAGING": "1"}) as (_, endpoint, _log), \
             llama_server(llama_build, demo_model, workdir, rpc_offload(endpoint)) as (_, url, _log2):
         pageable = greedy_tokens(url)
@@ -358,9 +354,9 @@ def test_same_greedy_tokens_native_tcp_and_shared_memory(llama_build, demo_model
 
 def test_profile_gives_both_ends_per_token_with_one_backend_wait(llama_build, demo_model: Path,
                                                                   workdir: Path) -> None:
-    """GGML_RPC_PROFILE=1 on both ends (llama_patches/ 0008): every generated token is the same cycle of
+    """GGML_RPC_PROFILE=1 on both ends (llama_patches/ 0004): every generated token is the same cycle of
     inputs, one graph launch and one GET_TENSOR_SHARED (the logits straight into the client's host buffer,
-    0011), with exactly one wait for the backend on the server, and benchmarks/rpc_profile.py reads both
+    0007), with exactly one wait for the backend on the server, and benchmarks/rpc_profile.py reads both
     ends' per-token timeline from one run."""
     profile = {"GGML_RPC_PROFILE": "1"}
     with rpc_server(llama_build, workdir, "unix", profile) as (_, endpoint, server_log):
@@ -476,7 +472,7 @@ def test_hostile_bytes_on_the_socket_and_in_shared_memory(llama_build, demo_mode
 
 def test_host_buffers_shared_with_the_server_and_hostile_requests(llama_build, demo_model: Path, workdir: Path,
                                                                   server_binary: tuple[Path, dict[str, str]]) -> None:
-    """llama_patches/ 0011 by hand: a tensor read from the device straight into a host buffer the server
+    """llama_patches/ 0007 by hand: a tensor read from the device straight into a host buffer the server
     maps, and written from one; buffers it must decline; and requests that reach outside a buffer or a
     tensor, name no buffer, or announce a descriptor that never comes, each of which drops that client
     and leaves the server serving."""

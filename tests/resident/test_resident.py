@@ -16,6 +16,7 @@ import pytest
 
 import apirctl as apirctl_package
 from apirctl import resident
+from tests.support.waiting import wait_for
 
 PACKAGE = Path(apirctl_package.__file__).resolve().parent
 CHECKOUT = PACKAGE.parent  # this checkout's apirctl, as `python -m` finds it
@@ -27,7 +28,7 @@ def apirctl(*args: str, env: dict[str, str] | None = None, **kwargs: object) -> 
                           env=env or dict(os.environ), timeout=120, **kwargs)  # type: ignore[call-overload]
 
 
-def wait_running(env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 60) -> dict[str, object]:
+def wait_running(env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 180) -> dict[str, object]:
     """Start the resident process (any command spawns it) and wait until it answers."""
     deadline = time.monotonic() + timeout
     where = {"cwd": cwd} if cwd else {}
@@ -43,8 +44,11 @@ def wait_running(env: dict[str, str] | None = None, cwd: Path | None = None, tim
 
 @pytest.fixture(autouse=True)
 def resident_on(isolated_home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The resident process is off by default: these tests turn it on, as a user does."""
+    """The resident process is off by default: these tests turn it on, as a user does. They check what
+    happens in its fork, so the caller waits as long as the fork takes on a loaded machine (by default it
+    gives up after 2 s and runs the command itself)."""
     monkeypatch.setenv("APIRCTL_RESIDENT", "1")
+    monkeypatch.setenv("APIRCTL_RESIDENT_ANSWER_SECONDS", "120")
 
 
 @pytest.fixture
@@ -109,19 +113,11 @@ def test_sigterm_reaches_the_command_and_it_cleans_up(running: dict[str, object]
                 continue
         return None
 
-    deadline = time.monotonic() + 30
-    command = None
-    while time.monotonic() < deadline and command is None:
-        command = command_process()
-        time.sleep(0.05)
-    assert command, "the command did not run in a fork of the resident process"
+    command = wait_for("the command in a fork of the resident process", command_process, 120, interval=0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err  # as without the resident process: typer's status for an interrupt
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and os.path.exists(f"/proc/{command}"):
-        time.sleep(0.05)
-    assert not os.path.exists(f"/proc/{command}")
+    wait_for("the command's exit", lambda: not os.path.exists(f"/proc/{command}"), 120, interval=0.05)
 
 
 def test_the_entry_point_imports_no_cli_framework() -> None:

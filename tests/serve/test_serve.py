@@ -198,7 +198,7 @@ def test_upstream_extension_server_is_listed_and_blocks_a_second_virtgpu(
     from apirctl.errors import ApirctlError
     from apirctl.podman import containers
     from apirctl.remoting import transport
-    from apirctl.serve import starting
+    from apirctl.serve import provision
 
     url = f"http://127.0.0.1:{port}/v1"
     api = containers.connect()
@@ -215,9 +215,9 @@ def test_upstream_extension_server_is_listed_and_blocks_a_second_virtgpu(
     assert (listed.managed, listed.transport, listed.url, listed.port) == (False, "virtgpu", url, port)
     assert serve.find_server(name).id == container_id
     with pytest.raises(ApirctlError, match=f"already running: {name}") as err:
-        starting._one_virtgpu_at_a_time(transport.virtgpu_plan(999))
+        provision._one_virtgpu_at_a_time(transport.virtgpu_plan(999))
     assert err.value.hint and f"apirctl stop {name}" in err.value.hint
-    starting._one_virtgpu_at_a_time(transport.Plan(transport="none", requested="none"))  # other transports may run
+    provision._one_virtgpu_at_a_time(transport.Plan(transport="none", requested="none"))  # other transports may run
 
 
 def test_api_key_protects_the_api_but_not_health(

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import yaml
 
-from apirctl.serve import inputs, starting
+from apirctl.serve import inputs, spec
 from tests.serve.conftest import apirctl, container_exists
 from tests.support.model_sources import write_bert_gguf
 
@@ -126,7 +126,7 @@ def test_model_args_from_kind_projector_and_ollama_params() -> None:
     opts = inputs.ServeOptions(model="m", temperature=0.3)
     model = inputs.ModelFile(path=Path("/m.gguf"), filename="m.gguf", name="m", mmproj="mmproj-m.gguf",
                               params={"temperature": 0.9, "top_k": 20, "stop": ["x"], "seed": True})
-    assert starting._model_args(opts, model) == ["--mmproj", "/models/mmproj-m.gguf", "--temp", "0.3",
+    assert spec._model_args(opts, model) == ["--mmproj", "/models/mmproj-m.gguf", "--temp", "0.3",
                                                 "--top-k", "20"]
 
 

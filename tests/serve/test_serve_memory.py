@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from apirctl import serve
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers, libpod
+from apirctl.podman.servers import L_INPUTS
 from apirctl.remoting import backends, rpc_server, transport
-from apirctl.serve import inputs, starting, units
+from apirctl.serve import inputs, provision, spec, starting, units
 from tests.support.podman_double import MemoryPodman
 
 GIB = 1024**3
@@ -100,9 +101,9 @@ def _spec(**extra: Any) -> containers.ContainerSpec:
 
 
 def test_the_spec_asks_podman_for_the_limit() -> None:
-    spec = _spec(mem_limit=8 * GIB)
-    assert spec.create_kwargs()["mem_limit"] == 8 * GIB
-    assert libpod.create_body(spec)["resource_limits"] == {"memory": {"limit": 8 * GIB}}
+    made = _spec(mem_limit=8 * GIB)
+    assert made.create_kwargs()["mem_limit"] == 8 * GIB
+    assert libpod.create_body(made)["resource_limits"] == {"memory": {"limit": 8 * GIB}}
     assert "mem_limit" not in _spec().create_kwargs() and "resource_limits" not in libpod.create_body(_spec())
 
 
@@ -116,12 +117,19 @@ def test_quadlet_and_kube_carry_the_limit() -> None:
     assert "resources:" not in units.kube(_spec())
 
 
-def test_a_rewired_container_keeps_its_limit() -> None:
-    attrs = {"Config": {"Cmd": ["--port", "8000"], "Labels": {}}, "HostConfig": {"Memory": 3 * GIB},
-             "ImageName": "localhost/apirctl/llama-server:test", "Name": "apirctl-x"}
-    assert starting._respec(attrs, transport.local_rpc_plan(99)).mem_limit == 3 * GIB
-    attrs["HostConfig"] = {"Memory": 0}  # Podman's "no limit"
-    assert starting._respec(attrs, transport.local_rpc_plan(99)).mem_limit is None
+def test_a_rewired_container_keeps_its_limit(tmp_path: Path) -> None:
+    """`restart` builds a moved server's spec again from the inputs its label records, the one way."""
+    model = inputs.ModelFile(path=tmp_path / "m.gguf", filename="m.gguf", name="m")
+    for size, limit in (("3g", 3 * GIB), (None, None)):
+        opts = serve.options("m", memory=size, port=4567)
+        labels = {L_INPUTS: spec.record(opts, model, "localhost/apirctl/llama-server:test")}
+        found = spec.recorded(labels, "apirctl-x")
+        plan = transport.local_rpc_plan(99)
+        remade = spec.container_spec(found.options, plan, found.served, "apirctl-x", found.image)
+        assert remade.mem_limit == limit and remade.ports == {8000: ("127.0.0.1", 4567)}
+        assert remade.image == "localhost/apirctl/llama-server:test" and "/models/m.gguf" in remade.command
+    with pytest.raises(ApirctlError, match="started by an older apirctl"):
+        spec.recorded({}, "apirctl-x")
 
 
 class _Refusing(MemoryPodman):
@@ -140,7 +148,7 @@ def test_serve_gives_the_limit_to_the_container_and_to_its_own_backend(tmp_path:
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    monkeypatch.setattr(starting, "resolve_model", lambda _ref: inputs.ModelFile(path=model, filename="m.gguf",
+    monkeypatch.setattr(provision, "resolve_model", lambda _ref: inputs.ModelFile(path=model, filename="m.gguf",
                                                                                 name="m"))
     monkeypatch.setattr(transport, "plan", lambda *_a, **_k: transport.local_rpc_plan(99))
     instance = backends.Instance(id="0123abcd", pid=0, directory=str(tmp_path / "rpc-0123abcd"),
@@ -153,18 +161,18 @@ def test_serve_gives_the_limit_to_the_container_and_to_its_own_backend(tmp_path:
     api = _Refusing()
     opts = serve.options("m", transport="rpc", name="apirctl-mem", image="img", memory="768m")
     with containers.use(api), pytest.raises(ApirctlError, match="refused"):
-        starting._start_on_port(opts, lambda _phase: None, None, [])
+        starting.start(opts)
     assert started == [("apirctl-mem", 768 * 1024**2)]
-    [spec] = api.specs
-    assert spec.mem_limit == 768 * 1024**2 and spec.create_kwargs()["mem_limit"] == 768 * 1024**2
-    assert backends.CONTAINER_ENDPOINT in spec.command  # the container dials the backend that got the cap
+    [made] = api.specs
+    assert made.mem_limit == 768 * 1024**2 and made.create_kwargs()["mem_limit"] == 768 * 1024**2
+    assert backends.CONTAINER_ENDPOINT in made.command  # the container dials the backend that got the cap
     assert stopped == [instance]  # and the failed start stopped it
 
 
 def test_without_the_flag_neither_gets_a_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    monkeypatch.setattr(starting, "resolve_model", lambda _ref: inputs.ModelFile(path=model, filename="m.gguf",
+    monkeypatch.setattr(provision, "resolve_model", lambda _ref: inputs.ModelFile(path=model, filename="m.gguf",
                                                                                 name="m"))
     monkeypatch.setattr(transport, "plan", lambda *_a, **_k: transport.local_rpc_plan(99))
     started: list[int | None] = []
@@ -175,6 +183,5 @@ def test_without_the_flag_neither_gets_a_limit(tmp_path: Path, monkeypatch: pyte
     monkeypatch.setattr(backends, "stop", lambda _i: None)
     api = _Refusing()
     with containers.use(api), pytest.raises(ApirctlError):
-        starting._start_on_port(serve.options("m", transport="rpc", name="apirctl-nomem", image="img"),
-                                lambda _phase: None, None, [])
+        starting.start(serve.options("m", transport="rpc", name="apirctl-nomem", image="img"))
     assert started == [None] and api.specs[0].mem_limit is None and "mem_limit" not in api.specs[0].create_kwargs()

@@ -22,7 +22,7 @@ import pytest
 
 from apirctl.errors import ApirctlError
 from apirctl.remoting.transport import Plan
-from apirctl.serve import ModelFile, ModelSet, inputs, starting
+from apirctl.serve import ModelFile, ModelSet, inputs, spec
 from tests.serve.conftest import apirctl, container_exists
 from tests.serve.test_serve_habits import podman_command
 from tests.support.model_sources import ollama_store
@@ -45,20 +45,20 @@ def test_router_mounts_a_directory_per_model_with_names_the_router_reads(tmp_pat
     split = ModelFile(path=tmp_path / "c1", filename="c-00001-of-00002.gguf", name="c",
                       files=[models.ModelFile(path=tmp_path / "c1", filename="c-00001-of-00002.gguf"),
                              models.ModelFile(path=tmp_path / "c2", filename="c-00002-of-00002.gguf")])
-    mounts = starting._router_mounts(ModelSet(models=[single, vision, split]))
+    mounts = spec.router_mounts(ModelSet(models=[single, vision, split]))
     assert {m.target: Path(m.source).name for m in mounts} == {
         "/models/a/model.gguf": "a.gguf",  # a name with "mmproj" in it would be taken for a projector
         "/models/b/model.gguf": "b", "/models/b/mmproj-sha256-p": "p",
         "/models/c/c-00001-of-00002.gguf": "c1", "/models/c/c-00002-of-00002.gguf": "c2",
     }
     assert all(m.read_only for m in mounts)
-    whole = starting._router_mounts(ModelSet(directory=tmp_path))
+    whole = spec.router_mounts(ModelSet(directory=tmp_path))
     assert [(m.source, m.target) for m in whole] == [(tmp_path, "/models")]
 
 
 def test_router_command_and_the_transports_that_hold_one_model(tmp_path: Path) -> None:
     opts = inputs.ServeOptions(model="a", models=["a", "b"], models_max=3, idle_unload=300, temperature=0.5)
-    command = starting._router_command(opts, Plan(transport="none", requested="none"))
+    command = spec.router_command(opts, Plan(transport="none", requested="none"))
     assert "--model" not in command and "--alias" not in command
     assert command[command.index("--models-dir"):][:2] == ["--models-dir", "/models"]
     assert command[command.index("--models-max"):][:2] == ["--models-max", "3"]
@@ -66,11 +66,42 @@ def test_router_command_and_the_transports_that_hold_one_model(tmp_path: Path) -
     assert command[command.index("--temp"):][:2] == ["--temp", "0.5"]
     rpc = Plan(transport="rpc", requested="rpc")
     with pytest.raises(ApirctlError, match="keeps one model loaded at a time"):
-        starting._router_command(opts, rpc)
-    limit, notice = starting.models_max(opts.model_copy(update={"models_max": None}), rpc)
+        spec.router_command(opts, rpc)
+    limit, notice = spec.models_max(opts.model_copy(update={"models_max": None}), rpc)
     assert limit == 1 and notice and "serves one client" in notice
-    assert starting.models_max(opts.model_copy(update={"models_max": None}), Plan(transport="gpu", requested="gpu")) \
+    assert spec.models_max(opts.model_copy(update={"models_max": None}), Plan(transport="gpu", requested="gpu")) \
         == (None, None)
+
+
+def test_a_router_with_a_default_model_starts_behind_the_front(tmp_path: Path) -> None:
+    from apirctl.build import image
+
+    opts = inputs.ServeOptions(model="a", models=["a", "b"], port=4321)
+    served = ModelSet(models=[ModelFile(path=tmp_path / "a.gguf", filename="a.gguf", name="a"),
+                              ModelFile(path=tmp_path / "b.gguf", filename="b.gguf", name="b")], default="b")
+    plan = Plan(transport="none", requested="none")
+    built = spec.container_spec(opts, plan, served, "r", f"{image.IMAGE_REPO}:tag")
+    assert built.entrypoint == [image.FRONT, "--listen", "8000", "--upstream", "8001", "--model", "b", "--",
+                               "llama-server"]
+    assert built.command[built.command.index("--port"):][:2] == ["--port", "8001"]
+    assert built.command[built.command.index("--host"):][:2] == ["--host", "127.0.0.1"]
+    assert built.labels["apirctl.default-model"] == "b" and built.ports == {8000: ("127.0.0.1", 4321)}
+    # another image has no front: the router answers on the container's port, and has no default
+    other = spec.container_spec(opts, plan, served, "r", "quay.io/x/llama:1")
+    assert other.entrypoint == ["llama-server"] and "apirctl.default-model" not in other.labels
+    assert other.command[other.command.index("--port"):][:2] == ["--port", "8000"]
+    with pytest.raises(ApirctlError, match="--default-model needs apirctl's image"):
+        spec.container_spec(opts.model_copy(update={"router_default": "b"}), plan, served, "r", "quay.io/x/llama:1")
+
+
+def test_the_default_model_is_the_first_named_or_the_one_chosen(demo_model: Path, tmp_path: Path) -> None:
+    paths = [str(named_copy(demo_model, tmp_path / f"{model}.gguf")) for model in ("one", "two")]
+    assert inputs.resolve_models(inputs.ServeOptions(model=paths[0], models=paths)).default == "one"
+    for chosen in ("two", paths[1]):  # by its name or as it was named on the command line
+        opts = inputs.ServeOptions(model=paths[0], models=paths, router_default=chosen)
+        assert inputs.resolve_models(opts).default == "two"
+    with pytest.raises(ApirctlError, match="--default-model three is not one of the models served"):
+        inputs.resolve_models(inputs.ServeOptions(model=paths[0], models=paths, router_default="three"))
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("90", 90), ("30s", 30), ("5m", 300), ("1h30m", 5400), ("1d", 86400),
@@ -86,6 +117,8 @@ def test_idle_unload_durations(text: str, seconds: int | None) -> None:
     (("a", "--models-dir", "."), "give models or --models-dir, not both"),
     (("--models-dir", "/no/such/dir"), "--models-dir /no/such/dir: no such directory"),
     (("a", "a"), "a model is named twice"),
+    (("a", "--default-model", "a"), "--default-model picks one of the models of a server of several"),
+    (("--models-dir", ".", "--default-model", "a b"), "--default-model 'a b' is not a model's name"),
 ])
 def test_bad_router_input_is_one_line_and_a_hint(args: tuple[str, ...], message: str) -> None:
     done = apirctl("serve", *args)
@@ -157,7 +190,7 @@ def test_several_models_on_one_port_and_the_least_recently_used_unloads(
     shown = json.loads(apirctl("ps", "--json").stdout)
     assert next(s for s in shown if s["name"] == name)["models"] == states(port)
     row = next(line for line in apirctl("ps").stdout.splitlines() if line.startswith(name))
-    assert f"{first} (loaded)" in row and "third-model (loaded)" in row
+    assert f"{first} (loaded, default)" in row and "third-model (loaded)" in row
     assert vision in row and f"{vision} (" not in row  # unloaded: named without a state
 
     unnamed = apirctl("chat", "-n", name, *ASK)
@@ -216,6 +249,39 @@ def _long_completion(port: int, model: str, results: list[Any]) -> threading.Thr
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread
+
+
+@pytest.mark.integration
+def test_a_request_that_names_no_model_goes_to_the_default_model(
+        podman: str, llama_image: str, demo_model: Path, tmp_path: Path, name: str, port: int) -> None:
+    """A client written for a one-model server sends no `model`: the router's front gives it the default
+    (here chosen with --default-model), answered and streamed as a named request is; `ps` names it."""
+    first, second = "first-model", "second-model"
+    paths = [named_copy(demo_model, tmp_path / f"{model}.gguf") for model in (first, second)]
+    done = apirctl("serve", *map(str, paths), "--default-model", second, "--transport", "none", "-p", str(port),
+                   "-n", name, "-c", "1024", "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["default_model"] == second
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4, "temperature": 0}
+    with httpx.Client(timeout=120) as client:  # keep-alive, as such clients do: each request is answered
+        for _ in range(2):
+            answer = client.post(url, json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["model"] == second and answer.json()["choices"][0]["message"]["content"]
+        with client.stream("POST", url, json={**body, "stream": True}) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert streamed.status_code == 200 and events[-1] == "data: [DONE]" and len(events) > 2
+        named = client.post(url, json={**body, "model": first})  # a named model is still the one named
+        assert named.status_code == 200 and named.json()["model"] == first
+        assert client.post(url, json={**body, "model": "nope"}).status_code == 400
+    assert states(port) == {first: "loaded", second: "loaded"}
+
+    shown = next(s for s in json.loads(apirctl("ps", "--json").stdout) if s["name"] == name)
+    assert shown["default_model"] == second
+    row = next(line for line in apirctl("ps").stdout.splitlines() if line.startswith(name))
+    assert f"{second} (loaded, default)" in row and f"{first} (loaded)" in row
+    assert apirctl("stop", name).returncode == 0
 
 
 @pytest.mark.integration
@@ -278,6 +344,7 @@ def test_generate_kube_of_a_router_plays_and_both_models_answer(
         podman: str, llama_image: str, demo_model: Path, tmp_path: Path, name: str, port: int) -> None:
     import yaml
 
+    from apirctl.build import image
     from tests.serve.test_serve_habits import podman_remote, wait_health
 
     first, second = "first-model", "second-model"
@@ -321,6 +388,11 @@ def test_generate_kube_of_a_router_plays_and_both_models_answer(
         assert metrics.status_code == 200 and "llamacpp:tokens_predicted_total" in metrics.text
         bare = httpx.get(f"http://127.0.0.1:{port}{annotations['prometheus.io/path']}", timeout=30)
         assert bare.status_code == 400 and "model name is missing" in bare.text
+        # a request that names no model goes to the first named, through the Pod's front
+        assert annotations["apirctl.default-model"] == first and container["command"][0] == image.FRONT
+        unnamed = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
+                             timeout=120)
+        assert unnamed.status_code == 200 and unnamed.json()["model"] == first, unnamed.text
     finally:
         podman_remote(podman, "kube", "down", str(yaml_file))
 
@@ -362,11 +434,11 @@ def test_generate_kube_mounts_a_models_dir_as_a_directory(tmp_path: Path) -> Non
     from apirctl.serve.units import kube
 
     (tmp_path / "a.gguf").write_bytes(b"GGUF")
-    spec = ContainerSpec(image="img", name="n", command=["--models-dir", "/models"],
-                         mounts=[*starting._router_mounts(ModelSet(directory=tmp_path)),
+    made = ContainerSpec(image="img", name="n", command=["--models-dir", "/models"],
+                         mounts=[*spec.router_mounts(ModelSet(directory=tmp_path)),
                                  BindMount(source=tmp_path / "a.gguf", target="/x/a.gguf")])
     import yaml
 
-    pod = yaml.safe_load(kube(spec))
+    pod = yaml.safe_load(kube(made))
     assert [v["hostPath"] for v in pod["spec"]["volumes"]] == [
         {"path": str(tmp_path), "type": "Directory"}, {"path": str(tmp_path / "a.gguf"), "type": "File"}]

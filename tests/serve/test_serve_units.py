@@ -13,7 +13,7 @@ from apirctl import serve
 from apirctl.cli.serve import _uptime
 from apirctl.errors import ApirctlError
 from apirctl.remoting import transport
-from apirctl.serve import inputs, starting
+from apirctl.serve import inputs, spec, starting
 from tests.support.podman_double import MemoryPodman
 
 
@@ -47,26 +47,26 @@ def test_free_port_passes() -> None:
 
 def test_labels_for_podman_ai_lab_and_ours(tmp_path: Path) -> None:
     opts = serve.ServeOptions(model="m", port=4321)
-    labels = starting._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
+    labels = spec.labels_for(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
     assert labels["api"] == "http://127.0.0.1:4321/v1"
     assert json.loads(labels["ai-lab-inference-server"]) == [str(tmp_path)]
     assert (labels["apirctl.model"], labels["apirctl.transport"], labels["llama-cpp.apir"]) == ("demo", "none", "false")
-    again = starting._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
+    again = spec.labels_for(opts, transport.plan("none"), tmp_path / "m.gguf", "demo")
     assert labels["trackingId"] != again["trackingId"]  # one per server, as the extension makes them
-    virtgpu = starting._labels(opts, transport.virtgpu_plan(999), tmp_path / "m.gguf", "demo")
+    virtgpu = spec.labels_for(opts, transport.virtgpu_plan(999), tmp_path / "m.gguf", "demo")
     assert virtgpu["llama-cpp.apir"] == "true" and virtgpu["gpu"] == "llama.cpp API Remoting"
     assert labels["apirctl.model-kind"] == "chat"
-    embedding = starting._labels(opts, transport.plan("none"), tmp_path / "m.gguf", "demo", "embedding")
+    embedding = spec.labels_for(opts, transport.plan("none"), tmp_path / "m.gguf", "demo", "embedding")
     assert embedding["apirctl.model-kind"] == "embedding"
 
 
 def test_llama_server_command_line() -> None:
     opts = serve.ServeOptions(model="m", ctx_size=2048, threads=3, api_key="k")
-    command = starting._llama_command(opts, "file.gguf", "demo")
+    command = spec._llama_command(opts, "file.gguf", "demo")
     assert command[:4] == ["--model", "/models/file.gguf", "--host", "0.0.0.0"]
     assert command[command.index("--port") + 1] == "8000" and command[command.index("--ctx-size") + 1] == "2048"
     assert command[-5:] == ["--threads", "3", "--api-key", "k", "--metrics"]
-    assert "--metrics" not in starting._llama_command(opts.model_copy(update={"metrics": False}), "file.gguf", "demo")
+    assert "--metrics" not in spec._llama_command(opts.model_copy(update={"metrics": False}), "file.gguf", "demo")
 
 
 def test_options_take_settings_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:

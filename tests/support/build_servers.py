@@ -18,6 +18,7 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
+from tests.support import native_builds
 from tests.support.waiting import wait_for
 
 
@@ -79,12 +80,6 @@ def backend_ops_tester(build: llamacpp.Build) -> Path:
     if exe.exists():
         return exe
     exe.parent.mkdir(parents=True, exist_ok=True)
-    partial = exe.with_name(exe.name + ".partial")
-    done = subprocess.run(
-        [compiler, "-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}",
-         str(src / "tests/test-backend-ops.cpp"), "-o", str(partial),
-         f"-L{build.bin_dir}", f"-Wl,-rpath,{build.bin_dir}", "-lggml", "-lggml-base"],
-        capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    os.replace(partial, exe)
-    return exe
+    return native_builds.compile_program(
+        compiler, ["-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}"], [src / "tests/test-backend-ops.cpp"],
+        exe, [f"-L{build.bin_dir}", f"-Wl,-rpath,{build.bin_dir}", "-lggml", "-lggml-base"], "test-backend-ops")

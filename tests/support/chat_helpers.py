@@ -209,7 +209,7 @@ class Tmux:
                 pytest.fail(f"no prompt number {count}; the pane shows:\n{text}")
             time.sleep(0.05)
 
-    def exit_status(self, timeout: float = 60.0) -> int:
+    def exit_status(self, timeout: float = 180.0) -> int:
         """Wait for the command to end; its exit status."""
         deadline = time.monotonic() + timeout
         while True:
@@ -226,14 +226,14 @@ class Tmux:
 def resident_served() -> int | None:
     """How many commands the suite's resident apirctl process has run; None when none runs."""
     done = subprocess.run([*apirctl_command(), "resident", "status", "--json"], capture_output=True, text=True,
-                          timeout=60, env=dict(os.environ, APIRCTL_RESIDENT="0"))
+                          timeout=180, env=dict(os.environ, APIRCTL_RESIDENT="0"))
     found = json.loads(done.stdout)
     return int(found["served"]) if found.get("running") and "served" in found else None
 
 
-def start_resident(timeout: float = 60.0) -> int:
+def start_resident(timeout: float = 180.0) -> int:
     """Make sure the resident process runs (any command spawns it); how many commands it has run."""
-    subprocess.run([*apirctl_command(), "--version"], capture_output=True, timeout=60,
+    subprocess.run([*apirctl_command(), "--version"], capture_output=True, timeout=180,
                    env=dict(os.environ, APIRCTL_RESIDENT="1"))
     deadline = time.monotonic() + timeout
     while (served := resident_served()) is None:

@@ -53,7 +53,7 @@ class FakeChatServer:
         """Let a held stream go on to its end."""
         self._released.set()
 
-    def wait_held(self, timeout: float = 60.0) -> bool:
+    def wait_held(self, timeout: float = 180.0) -> bool:
         """True once a stream has stopped at `hold_after` pieces."""
         return self._held.wait(timeout)
 

@@ -2,8 +2,8 @@
 
 The pairings with upstream that users meet: RamaLama's remoting image carries upstream's frontend and
 meets the library apirctl built; apirctl's image meets the library of the macOS bundle, which is
-upstream's. On Linux both sides need the socket transport (patches 0006 and 0007), so "upstream" here
-is the series up to the one before apirctl's hardening of the host library (0013): upstream's frontend
+upstream's. On Linux both sides need the socket transport (patch 0008), so "upstream" here
+is the series up to the one before apirctl's hardening of the host library (0009): upstream's frontend
 and backend library, reached through a socket. Only the two libraries are built (about a minute on
 2 cores, cached by the patches' digest); a program of the host build runs upstream's frontend when its
 directory comes first on LD_LIBRARY_PATH.
@@ -22,9 +22,10 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
+from tests.support import native_builds
 
 #: The name of the first patch that changes upstream's APIR code rather than add the socket transport.
-FIRST_APIRCTL_PATCH = "0013-"
+FIRST_APIRCTL_PATCH = "0009-"
 
 
 def transport_patches() -> list[Path]:
@@ -57,12 +58,9 @@ def libraries() -> Path:
         for path in patches:
             subprocess.run(["patch", "-p1", "--batch", "--forward", "--quiet", "-d", str(tree), "-i", str(path)],
                            check=True, capture_output=True)
-        build = work / "build"
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        for cmd in (["cmake", "-S", str(tree), "-B", str(build), *generator, *args],
-                    ["cmake", "--build", str(build), "--target", "ggml-virtgpu", "ggml-virtgpu-backend", "-j2"]):
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-            assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        # the host build's layout and flags: ccache serves every file the transport patches leave alone
+        build = native_builds.cmake_build(tree, work, args, ("ggml-virtgpu", "ggml-virtgpu-backend"),
+                                          "upstream's APIR libraries", jobs=2, timeout=1200)
         staged = work / "libs"
         staged.mkdir()
         for lib in (build / "bin").glob("libggml-virtgpu*.so*"):

@@ -153,7 +153,7 @@ uint64_t shmem_size(uint32_t ctx_id, uint32_t res_id) {
 
 apir_fuzz_callbacks callbacks = { get_config, get_shmem_ptr };
 
-// The optional way for the host to tell the library a resource's size (llama_patches 0013:
+// The optional way for the host to tell the library a resource's size (llama_patches 0009:
 // apir_backend_set_shmem_size_callback, registered before apir_backend_initialize); a library
 // without it is fuzzed without sizes.
 void register_shmem_size() {

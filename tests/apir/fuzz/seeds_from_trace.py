@@ -53,7 +53,7 @@ SUPPORTS_OP, GET_BUFFER_TYPE, BUFFER_FROM_PTR = 6, 7, 9
 ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE = 14, 15, 16
 SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR, FREE_BUFFER, GRAPH_COMPUTE = 17, 18, 19, 20, 21, 22
 N_FUNCTIONS = 23
-# the harness's numbers for the extension commands (llama_patches 0019): 256 and 257 on the wire
+# the harness's numbers for the extension commands (llama_patches 0013): 256 and 257 on the wire
 EXT_GET_FEATURES, EXT_GRAPH_RUN = N_FUNCTIONS + 1, N_FUNCTIONS + 2
 # the functions whose request starts with a buffer-type or buffer handle
 HANDLE_FIRST = {10, 11, 12, ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE, SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR,
