@@ -43,6 +43,9 @@ def test_a_dimension_reads_as_the_generator_reads_it() -> None:
 
 # --- the campaigns ------------------------------------------------------------------------------
 
+#: CI's fuzz smoke, per host: seconds, not a campaign (docs/testing.md).
+SMOKE_SECONDS = 15
+
 
 @pytest.fixture(scope="module")
 def fuzzers() -> dict[str, Path]:
@@ -51,8 +54,9 @@ def fuzzers() -> dict[str, Path]:
         pytest.skip("the harnesses use Linux's mmap, dlsym and Unix sockets")
     if shutil.which("clang++") is None or shutil.which("cmake") is None:
         pytest.skip("clang++ (with libFuzzer) and cmake are needed")
-    from apirctl.build import llamacpp
+    from apirctl.build import ccache, llamacpp
     from tests.conftest import SHARED_CACHE, shared_env
+    from tests.support import native_builds
 
     with shared_env():
         src = llamacpp.source_dir()
@@ -61,7 +65,11 @@ def fuzzers() -> dict[str, Path]:
     build_dir = SHARED_CACHE / "graph-fuzz" / key
     exes = {name: build_dir / name for name in graph_build.HARNESSES}
     if not all(exe.exists() for exe in exes.values()):
-        exes = graph_build.build(src, build_dir)
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # through a link in the build directory: the same relative paths for every key (ccache hits)
+        linked = ccache.link_source(src, build_dir)
+        with native_builds.ccache_in_environment(), native_builds.timed("the graph fuzzers (clang, sanitized)"):
+            exes = graph_build.build(linked, build_dir)
     return exes
 
 
@@ -86,9 +94,10 @@ def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_p
 @pytest.mark.integration
 @pytest.mark.parametrize("host", HOSTS)
 def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
-    """30 seconds of fuzzing from the corpus (a few thousand graphs on 2 cores): no sanitizer report,
-    no abort, no signal, no input slower than 20 s."""
-    done = campaign.run(fuzzers[host], 10_000_000, tmp_path / "artifacts", seed=30, max_total_time=30)
+    """A smoke run: the corpus, then mutations for SMOKE_SECONDS: no sanitizer report, no abort, no
+    signal, no input slower than 20 s. The long campaign is benchmarks/fuzz_graphs.py."""
+    done = campaign.run(fuzzers[host], 10_000_000, tmp_path / "artifacts", seed=30, max_total_time=SMOKE_SECONDS)
     findings = [campaign.classify(fuzzers[host], Path(p)) for p in done.result.findings]
     assert done.result.clean, f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
-    assert done.graphs_computed > 100 and done.result.edges > 0
+    n = len(list(campaign.CORPUS.iterdir()))
+    assert done.graphs_computed >= n - 2 and done.result.edges > 0
