@@ -33,6 +33,8 @@
 #include <string>
 #include <thread>
 
+extern "C" void __sanitizer_set_death_callback(void (*callback)(void));
+
 namespace {
 
 #pragma pack(push, 1)
@@ -193,6 +195,7 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
         abort();
     }
     atexit(print_stats);
+    __sanitizer_set_death_callback(print_stats);  // a run that ends in a finding counts its graphs too
     atexit([] { unlink(socket_path.c_str()); });
     return 0;
 }
