@@ -33,7 +33,7 @@
 #include <string>
 #include <thread>
 
-extern "C" namespace {
+namespace {
 
 #pragma pack(push, 1)
 struct rpc_tensor {
