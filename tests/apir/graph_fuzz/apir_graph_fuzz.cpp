@@ -1,0 +1,402 @@
+// libFuzzer harness: graphs built by graph_gen.h, sent to the APIR backend library
+// (libggml-virtgpu-backend) as a frontend sends them, and computed by the real libggml-cpu it loads.
+//
+// Each input is one client session of real forwarded calls through apir_backend_dispatcher:
+//
+//     [EXT_GET_FEATURES asking for wide records, when bit 0 of the input's first byte is set]
+//     BUFFER_TYPE_ALLOC_BUFFER   per tensor (not views): a buffer of exactly its bytes
+//     BUFFER_SET_TENSOR          per buffer: its contents (the leaves'), from shared resource 1
+//     BACKEND_GRAPH_COMPUTE      the serialized graph, from shared resource 2
+//     BUFFER_FREE_BUFFER         per buffer
+//
+// so the library's decoders, its node checks (backend-node-check.cpp) and then ggml's CPU kernels
+// run on every graph the checks accept. Built with clang -fsanitize=fuzzer,address,undefined
+// against libraries compiled with -fsanitize=address,undefined,fuzzer-no-link (build.py).
+//
+// Environment: APIR_FUZZ_GGML_LIBRARY (default libggml-cpu.so next to the backend library),
+// GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph.
+
+#include "graph_gen.h"
+#include "ggml-backend.h"
+
+#include <dlfcn.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+extern "C" {
+struct apir_fuzz_callbacks {
+    const char * (*get_config)(uint32_t ctx_id, const char * key);
+    void * (*get_shmem_ptr)(uint32_t ctx_id, uint32_t res_id);
+};
+
+uint32_t apir_backend_initialize(uint32_t ctx_id, apir_fuzz_callbacks * cbs);
+uint32_t apir_backend_dispatcher(uint32_t ctx_id, apir_fuzz_callbacks * cbs, uint32_t cmd_type, char * dec_cur,
+                                 const char * dec_end, char * enc_cur, const char * enc_end, char ** enc_cur_after);
+}
+
+namespace {
+
+// the wire's tensor records (shared/apir_cs_rpc.h), declared here so that the harness builds
+// against any version of the library
+struct apir_rpc_tensor {
+    uint64_t id;
+    uint32_t type;
+    uint64_t buffer;
+    uint32_t ne[GGML_MAX_DIMS];
+    uint32_t nb[GGML_MAX_DIMS];
+    uint32_t op;
+    int32_t  op_params[GGML_MAX_OP_PARAMS / sizeof(int32_t)];
+    int32_t  flags;
+    uint64_t src[GGML_MAX_SRC];
+    uint64_t view_src;
+    uint64_t view_offs;
+    uint64_t data;
+    char     name[GGML_MAX_NAME];
+    char     padding[4];
+};
+
+struct apir_rpc_tensor_wide {
+    uint64_t id;
+    uint32_t type;
+    uint32_t reserved;
+    uint64_t buffer;
+    int64_t  ne[GGML_MAX_DIMS];
+    uint64_t nb[GGML_MAX_DIMS];
+    uint32_t op;
+    int32_t  op_params[GGML_MAX_OP_PARAMS / sizeof(int32_t)];
+    int32_t  flags;
+    uint64_t src[GGML_MAX_SRC];
+    uint64_t view_src;
+    uint64_t view_offs;
+    uint64_t data;
+    char     name[GGML_MAX_NAME];
+};
+
+static_assert(sizeof(apir_rpc_tensor) == 304, "apir_rpc_tensor is a wire format");
+static_assert(sizeof(apir_rpc_tensor_wide) == 328, "apir_rpc_tensor_wide is a wire format");
+
+constexpr uint32_t CMD_GET_BUFFER_TYPE = 7;
+constexpr uint32_t CMD_ALLOC_BUFFER    = 14;
+constexpr uint32_t CMD_SET_TENSOR      = 17;
+constexpr uint32_t CMD_FREE_BUFFER     = 21;
+constexpr uint32_t CMD_GRAPH_COMPUTE   = 22;
+constexpr uint32_t CMD_GET_FEATURES    = 256;
+constexpr uint64_t FEATURE_GRAPH_RUN   = 1;
+constexpr uint64_t FEATURE_WIDE        = 2;
+constexpr uint32_t LOAD_LIBRARY_OK     = 6;
+constexpr uint32_t CTX                 = 1;
+constexpr uint32_t RES_DATA            = 1;
+constexpr uint32_t RES_GRAPH           = 2;
+constexpr size_t   RES_SIZE            = gfuzz::MAX_BUFFER + 4096;
+constexpr size_t   REPLY_SIZE          = 16384 - 4;
+
+struct resource {
+    uint32_t  id;
+    uint8_t * ptr;
+};
+
+resource    resources[] = { { RES_DATA, nullptr }, { RES_GRAPH, nullptr } };
+bool        describe_graphs = false;
+bool        keep_backend    = false;
+// the library's own backend and device (backend-dispatched.cpp), exported
+ggml_backend_t *     library_bck = nullptr;
+ggml_backend_dev_t * library_dev = nullptr;
+std::string ggml_library;
+uint64_t    buft_id = 0;
+size_t      accepted[GGML_OP_COUNT], tried[GGML_OP_COUNT], computed = 0, inputs = 0;
+
+const char * get_config(uint32_t, const char * key) {
+    if (strcmp(key, "ggml.library.path") == 0) {
+        return ggml_library.c_str();
+    }
+    if (strcmp(key, "ggml.library.reg") == 0) {
+        return "ggml_backend_cpu_reg";
+    }
+    return nullptr;
+}
+
+void * get_shmem_ptr(uint32_t, uint32_t res_id) {
+    for (auto & r : resources) {
+        if (r.id == res_id) {
+            return r.ptr;
+        }
+    }
+    return nullptr;
+}
+
+uint64_t shmem_size(uint32_t, uint32_t res_id) {
+    return get_shmem_ptr(0, res_id) ? RES_SIZE : 0;
+}
+
+apir_fuzz_callbacks callbacks = { get_config, get_shmem_ptr };
+
+uint8_t * map_resource(size_t size) {
+    const size_t page = (size_t) sysconf(_SC_PAGESIZE);
+    auto *       base = (uint8_t *) mmap(nullptr, size + 2 * page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (base == MAP_FAILED || mprotect(base + page, size, PROT_READ | PROT_WRITE) != 0) {
+        perror("apir-graph-fuzz: mmap");
+        abort();
+    }
+    return base + page;
+}
+
+void silent_log(ggml_log_level, const char *, void *) {}
+
+struct writer {
+    std::vector<uint8_t> bytes;
+
+    template <typename T> void put(const T & v) {
+        const auto * p = (const uint8_t *) &v;
+        bytes.insert(bytes.end(), p, p + sizeof(v));
+    }
+};
+
+// one forwarded call; its reply, or false when the library refused it
+bool call(uint32_t cmd, const std::vector<uint8_t> & request, std::vector<uint8_t> * reply = nullptr) {
+    char * req = new char[request.size() + 1];
+    char * out = new char[REPLY_SIZE];
+    if (!request.empty()) {
+        memcpy(req, request.data(), request.size());
+    }
+    char *   after = nullptr;
+    uint32_t ret   = apir_backend_dispatcher(CTX, &callbacks, cmd, req, req + request.size(), out, out + REPLY_SIZE, &after);
+    if (ret == 0 && reply) {
+        reply->assign(out, after);
+    }
+    delete[] req;
+    delete[] out;
+    return ret == 0;
+}
+
+uint64_t reply_u64(const std::vector<uint8_t> & reply) {
+    uint64_t v = 0;
+    if (reply.size() >= 8) {
+        memcpy(&v, reply.data(), 8);
+    }
+    return v;
+}
+
+apir_rpc_tensor_wide record(const gfuzz::graph & g, int i, const std::vector<uint64_t> & buffers) {
+    const gfuzz::tensor & t = g.t[i];
+    apir_rpc_tensor_wide  w;
+    memset(&w, 0, sizeof(w));
+    w.id     = (uint64_t) i + 1;
+    w.type   = t.type;
+    w.buffer = t.buffer >= 0 ? buffers[t.buffer] : 0;
+    for (int d = 0; d < GGML_MAX_DIMS; d++) {
+        w.ne[d] = t.ne[d];
+        w.nb[d] = t.nb[d];
+    }
+    w.op = t.op;
+    memcpy(w.op_params, t.params, sizeof(w.op_params));
+    w.flags = t.node ? GGML_TENSOR_FLAG_COMPUTE : GGML_TENSOR_FLAG_INPUT;
+    for (int s = 0; s < GGML_MAX_SRC; s++) {
+        w.src[s] = t.src[s] >= 0 ? (uint64_t) t.src[s] + 1 : 0;
+    }
+    w.view_src  = t.view_src >= 0 ? (uint64_t) t.view_src + 1 : 0;
+    w.view_offs = t.view_offs;
+    w.data      = t.offset;
+    snprintf(w.name, sizeof(w.name), "t%d", i);
+    return w;
+}
+
+void put_record(writer & out, const apir_rpc_tensor_wide & w, bool wide) {
+    if (wide) {
+        out.put(w);
+        return;
+    }
+    apir_rpc_tensor n;
+    memset(&n, 0, sizeof(n));
+    n.id     = w.id;
+    n.type   = w.type;
+    n.buffer = w.buffer;
+    for (int d = 0; d < GGML_MAX_DIMS; d++) {
+        n.ne[d] = (uint32_t) w.ne[d];
+        n.nb[d] = (uint32_t) w.nb[d];
+    }
+    n.op = w.op;
+    memcpy(n.op_params, w.op_params, sizeof(n.op_params));
+    n.flags = w.flags;
+    memcpy(n.src, w.src, sizeof(n.src));
+    n.view_src  = w.view_src;
+    n.view_offs = w.view_offs;
+    n.data      = w.data;
+    memcpy(n.name, w.name, sizeof(n.name));
+    out.put(n);
+}
+
+// The library's backend, replaced by a new one before each graph: apir-host forks a child per client,
+// so each client starts with a backend of its own, and the CPU backend's work buffer (which only
+// grows) is then sized by this graph alone -- a kernel that writes past what the plan gave it leaves
+// the buffer. One thread: the plan's work buffer has no other thread's part after this one's.
+void fresh_backend() {
+    if (keep_backend || !library_bck || !library_dev || !*library_dev) {
+        return;
+    }
+    if (*library_bck) {
+        ggml_backend_free(*library_bck);
+    }
+    *library_bck = ggml_backend_dev_init(*library_dev, nullptr);
+    if (!*library_bck) {
+        fprintf(stderr, "apir-graph-fuzz: the device gives no new backend\n");
+        abort();
+    }
+    auto set_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(
+        ggml_backend_dev_backend_reg(*library_dev), "ggml_backend_set_n_threads");
+    if (set_threads) {
+        set_threads(*library_bck, 1);
+    }
+}
+
+void set_features(uint64_t wanted) {
+    writer req;
+    req.put(wanted);
+    call(CMD_GET_FEATURES, req.bytes);
+}
+
+void print_stats() {
+    if (!getenv("GFUZZ_STATS")) {
+        return;
+    }
+    fprintf(stderr, "apir-graph-fuzz: %zu inputs, %zu graphs computed\n", inputs, computed);
+    for (int op = 0; op < GGML_OP_COUNT; op++) {
+        if (tried[op]) {
+            fprintf(stderr, "  %-16s tried %8zu computed %8zu\n", ggml_op_name((ggml_op) op), tried[op], accepted[op]);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int *, char ***) {
+    describe_graphs = getenv("GFUZZ_DESCRIBE") != nullptr;
+    if (!getenv("GFUZZ_VERBOSE")) {
+        ggml_log_set(silent_log, nullptr);
+    }
+    if (const char * lib = getenv("APIR_FUZZ_GGML_LIBRARY")) {
+        ggml_library = lib;
+    } else {
+        Dl_info info;
+        if (dladdr((void *) apir_backend_initialize, &info) == 0 || !info.dli_fname) {
+            fprintf(stderr, "apir-graph-fuzz: cannot locate the backend library; set APIR_FUZZ_GGML_LIBRARY\n");
+            abort();
+        }
+        std::string dir = info.dli_fname;
+        ggml_library    = dir.substr(0, dir.rfind('/') + 1) + "libggml-cpu.so";
+    }
+    for (auto & r : resources) {
+        r.ptr = map_resource(RES_SIZE);
+    }
+    typedef void (*set_size_fn)(uint64_t (*)(uint32_t, uint32_t));
+    if (auto set = (set_size_fn) dlsym(RTLD_DEFAULT, "apir_backend_set_shmem_size_callback")) {
+        set(shmem_size);
+    }
+    if (apir_backend_initialize(CTX, &callbacks) != LOAD_LIBRARY_OK) {
+        fprintf(stderr, "apir-graph-fuzz: apir_backend_initialize(%s) failed\n", ggml_library.c_str());
+        abort();
+    }
+    std::vector<uint8_t> reply;
+    if (!call(CMD_GET_BUFFER_TYPE, {}, &reply) || (buft_id = reply_u64(reply)) == 0) {
+        fprintf(stderr, "apir-graph-fuzz: no buffer type\n");
+        abort();
+    }
+    keep_backend = getenv("GFUZZ_KEEP_BACKEND") != nullptr;
+    library_bck  = (ggml_backend_t *) dlsym(RTLD_DEFAULT, "bck");
+    library_dev  = (ggml_backend_dev_t *) dlsym(RTLD_DEFAULT, "dev");
+    if (!keep_backend && (!library_bck || !library_dev)) {
+        fprintf(stderr, "apir-graph-fuzz: the library does not export its backend: one backend for all inputs\n");
+    }
+    atexit(print_stats);
+    return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
+    gfuzz::graph g;
+    if (!gfuzz::generate(data, size, g)) {
+        return -1;
+    }
+    inputs++;
+    if (describe_graphs) {
+        gfuzz::describe(g);
+    }
+    const bool wide = size > 0 && (data[0] & 1);
+    if (wide) {
+        set_features(FEATURE_GRAPH_RUN | FEATURE_WIDE);
+    }
+
+    // a buffer per tensor (views share their source's), each filled with one transfer of its bytes
+    std::vector<uint64_t> buffers;
+    for (size_t b = 0; b < g.sizes.size(); b++) {
+        writer alloc;
+        alloc.put(buft_id);
+        alloc.put((uint64_t) g.sizes[b]);
+        std::vector<uint8_t> reply;
+        uint64_t             buffer = 0;
+        if (!call(CMD_ALLOC_BUFFER, alloc.bytes, &reply) || (buffer = reply_u64(reply)) == 0) {
+            fprintf(stderr, "apir-graph-fuzz: a buffer of %zu bytes was refused\n", g.sizes[b]);
+            abort();
+        }
+        buffers.push_back(buffer);
+
+        memcpy(resources[0].ptr, g.data[b].data(), g.sizes[b]);
+        gfuzz::tensor whole;
+        whole.type  = GGML_TYPE_I8;
+        whole.ne[0] = (int64_t) g.sizes[b];
+        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
+        whole.nb[0] = 1;
+        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
+        whole.buffer = 0;
+        for (int & src : whole.src) {
+            src = -1;
+        }
+        gfuzz::graph one;
+        one.t.push_back(whole);
+        writer set;
+        set.put(buffer);
+        put_record(set, record(one, 0, { buffer }), wide);
+        set.put(RES_DATA);
+        set.put((uint64_t) 0);
+        set.put((uint64_t) g.sizes[b]);
+        if (!call(CMD_SET_TENSOR, set.bytes)) {
+            fprintf(stderr, "apir-graph-fuzz: set_tensor of a whole buffer was refused\n");
+            abort();
+        }
+    }
+    fresh_backend();
+
+    writer graph;
+    graph.put((uint32_t) g.nodes.size());
+    for (int n : g.nodes) {
+        graph.put((uint64_t) n + 1);
+    }
+    graph.put((uint32_t) g.t.size());
+    for (size_t i = 0; i < g.t.size(); i++) {
+        put_record(graph, record(g, (int) i, buffers), wide);
+    }
+    memcpy(resources[1].ptr, graph.bytes.data(), graph.bytes.size());
+    writer compute;
+    compute.put(RES_GRAPH);
+    compute.put((uint64_t) graph.bytes.size());
+    const bool ok = call(CMD_GRAPH_COMPUTE, compute.bytes);
+    for (int n : g.nodes) {
+        tried[g.t[n].op]++;
+        if (ok) {
+            accepted[g.t[n].op]++;
+        }
+    }
+    computed += ok;
+
+    for (uint64_t buffer : buffers) {
+        writer free_req;
+        free_req.put(buffer);
+        call(CMD_FREE_BUFFER, free_req.bytes);
+    }
+    if (wide) {
+        set_features(FEATURE_GRAPH_RUN);
+    }
+    return 0;
+}

@@ -1,0 +1,103 @@
+"""The graph fuzzers (tests/apir/graph_fuzz/): their seed corpus, and a short campaign of each against
+the pinned, patched source built with AddressSanitizer and UndefinedBehaviorSanitizer.
+
+Each campaign computes graphs through a host's real entry point (the APIR backend library's
+dispatcher; ggml-rpc's server loop) on the real CPU backend: any sanitizer report, abort, signal or
+slow input is a finding, and the test asserts none. The long campaign is benchmarks/fuzz_graphs.py;
+its figures are in docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.apir.graph_fuzz import build as graph_build
+from tests.apir.graph_fuzz import campaign, seeds
+
+
+def test_the_committed_corpus_is_what_seeds_writes(tmp_path: Path) -> None:
+    written = {p.name: p.read_bytes() for p in seeds.write(tmp_path)}
+    committed = {p.name: p.read_bytes() for p in campaign.CORPUS.iterdir()}
+    assert written == committed
+
+
+def test_the_corpus_is_small_covers_the_ops_and_holds_no_machine_paths() -> None:
+    files = list(campaign.CORPUS.iterdir())
+    assert 20 <= len(files) <= 100 and sum(f.stat().st_size for f in files) < 64 << 10
+    ops = {data[6] for data in (f.read_bytes() for f in files)}  # the first node's op selector
+    assert ops == set(range(15))  # every op the generator builds starts a seed
+    for f in files:
+        assert re.search(rb"/(home|root|tmp|work|Users)/", f.read_bytes()) is None, f.name
+
+
+def test_a_dimension_reads_as_the_generator_reads_it() -> None:
+    assert seeds.dim(1) == b"\x00" and seeds.dim(48) == b"\x2f"
+    assert seeds.dim(256) == b"\xef\x00\x01"  # beyond one byte's range: exact, little-endian
+
+
+# --- the campaigns ------------------------------------------------------------------------------
+
+#: CI's fuzz smoke, per host: seconds, not a campaign (docs/testing.md).
+SMOKE_SECONDS = 15
+
+
+@pytest.fixture(scope="module")
+def fuzzers() -> dict[str, Path]:
+    """Both fuzzers built from the pinned, patched source (cached by the series' digest and the harnesses)."""
+    if sys.platform != "linux":
+        pytest.skip("the harnesses use Linux's mmap, dlsym and Unix sockets")
+    if shutil.which("clang++") is None or shutil.which("cmake") is None:
+        pytest.skip("clang++ (with libFuzzer) and cmake are needed")
+    from apirctl.build import ccache, llamacpp
+    from tests.conftest import SHARED_CACHE, shared_env
+    from tests.support import native_builds
+
+    with shared_env():
+        src = llamacpp.source_dir()
+        harness = hashlib.sha256(b"".join((graph_build.HERE / s).read_bytes() for s in graph_build.SOURCES))
+        key = llamacpp.patches_digest()[:16] + "-" + harness.hexdigest()[:8]
+    build_dir = SHARED_CACHE / "graph-fuzz" / key
+    exes = {name: build_dir / name for name in graph_build.HARNESSES}
+    if not all(exe.exists() for exe in exes.values()):
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # through a link in the build directory: the same relative paths for every key (ccache hits)
+        linked = ccache.link_source(src, build_dir)
+        with native_builds.ccache_in_environment(), native_builds.timed("the graph fuzzers (clang, sanitized)"):
+            exes = graph_build.build(linked, build_dir)
+    return exes
+
+
+# ggml-rpc's server checks a graph's tensors against their buffers, not what the kernels assume of a
+# node (issue 30, item 2: one rule per op for both hosts); until it does, its campaign finds kernel
+# aborts and overflows at once. Strict: the day it checks them, these fail and the marks come off.
+RPC_UNCHECKED = pytest.mark.xfail(strict=True, reason="ggml-rpc's server does not check the kernels' preconditions yet")
+HOSTS = ["apir_graph_fuzz", pytest.param("rpc_graph_fuzz", marks=RPC_UNCHECKED)]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("host", HOSTS)
+def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
+    """The corpus replayed once: each seed is a graph the host accepts and computes, with no finding
+    (the generator still builds what the host's checks take, so the campaign reaches the kernels)."""
+    done = campaign.run(fuzzers[host], 0, tmp_path / "artifacts")
+    assert done.result.clean, f"{done.result.findings}\n{done.result.reports}\n{done.result.log_tail}"
+    n = len(list(campaign.CORPUS.iterdir()))
+    assert done.graphs_built >= n and done.graphs_computed >= n - 2, done.result.log_tail
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("host", HOSTS)
+def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
+    """A smoke run: the corpus, then mutations for SMOKE_SECONDS: no sanitizer report, no abort, no
+    signal, no input slower than 20 s. The long campaign is benchmarks/fuzz_graphs.py."""
+    done = campaign.run(fuzzers[host], 10_000_000, tmp_path / "artifacts", seed=30, max_total_time=SMOKE_SECONDS)
+    findings = [campaign.classify(fuzzers[host], Path(p)) for p in done.result.findings]
+    assert done.result.clean, f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
+    n = len(list(campaign.CORPUS.iterdir()))
+    assert done.graphs_computed >= n - 2 and done.result.edges > 0
