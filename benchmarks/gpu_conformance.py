@@ -40,26 +40,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.support.backend_ops import ANSI, CASE  # noqa: E402
+from tests.support.backend_ops import ANSI, CASE, RPC_ENDPOINT_ENV, RPC_SHIM  # noqa: E402
 
 # ops whose cases take minutes: started first so that they do not end the run alone
 SLOW_FIRST = ("FLASH_ATTN_EXT", "MUL_MAT", "MUL_MAT_ID", "CPY", "SET_ROWS", "GET_ROWS", "ROPE", "CONV_2D")
-# an RPC client: test-backend-ops enumerates registered backends only, so this registers the endpoint
-RPC_SHIM = r"""
-#include "ggml-backend.h"
-#include "ggml-rpc.h"
-#include <cstdlib>
-namespace {
-struct register_rpc {
-    register_rpc() {
-        const char * endpoint = std::getenv("CONFORMANCE_RPC_ENDPOINT");
-        if (endpoint != nullptr) {
-            ggml_backend_register(ggml_backend_rpc_add_server(endpoint));
-        }
-    }
-} registered;
-}
-"""
 
 
 def series_digest(folder: Path) -> str:
@@ -178,7 +162,7 @@ class Conformance:
             client["GGML_VIRTGPU_SOCKET"] = str(sock)
         else:
             cmd = [str(self.bin / "ggml-rpc-server"), "-H", f"unix:{sock}", "-d", self.args.native_device]
-            client["CONFORMANCE_RPC_ENDPOINT"] = f"unix:{sock}"
+            client[RPC_ENDPOINT_ENV] = f"unix:{sock}"
         proc = subprocess.Popen(cmd, env=host_env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while not sock.exists():

@@ -21,27 +21,11 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
-from tests.support.backend_ops import ANSI, CASE, SUBSETS, Counts
+from tests.support.backend_ops import ANSI, CASE, RPC_ENDPOINT_ENV, RPC_SHIM, SUBSETS, Counts
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Unix socket")]
 
-# test-backend-ops enumerates registered backends only: this registers the server's endpoint
-SHIM = r"""
-#include "ggml-backend.h"
-#include "ggml-rpc.h"
-#include <cstdlib>
-namespace {
-struct register_rpc {
-    register_rpc() {
-        const char * endpoint = std::getenv("APIRCTL_TEST_RPC_ENDPOINT");
-        if (endpoint != nullptr) {
-            ggml_backend_register(ggml_backend_rpc_add_server(endpoint));
-        }
-    }
-} registered;
-}
-"""
 # a case the CPU refuses (no conversion to iq2_xxs), and one of every other kind that it runs
 OPS = {"CPY": "type_dst=iq2_xxs,", "RMS_NORM": None}
 
@@ -59,7 +43,7 @@ def tester(llama_build: llamacpp.Build) -> Path:
         return exe
     exe.parent.mkdir(parents=True, exist_ok=True)
     shim = exe.with_name("rpc_shim.cpp")
-    shim.write_text(SHIM)
+    shim.write_text(RPC_SHIM)
     partial = exe.with_name(exe.name + ".partial")
     done = subprocess.run(
         [compiler, "-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}",
@@ -101,7 +85,7 @@ def test_backend_ops_through_rpc_pass_or_are_unsupported(tester: Path, server, t
         if op in SUBSETS:
             args += ["-p", SUBSETS[op]]
         done = subprocess.run(args, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "APIRCTL_TEST_RPC_ENDPOINT": f"unix:{path}"})
+                              env={**os.environ, RPC_ENDPOINT_ENV: f"unix:{path}"})
         where = f"{op}: {done.stdout[-2000:]}{done.stderr[-2000:]}\nserver: {log.read_text(errors='replace')[-2000:]}"
         counts = Counts()
         for line in ANSI.sub("", done.stdout).splitlines():

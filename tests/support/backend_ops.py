@@ -53,6 +53,25 @@ OP_TIMEOUT = 300
 CASE = re.compile(r"(?:^|\s)(?P<op>[A-Z0-9_]+)\((?P<params>.*)\): (?P<result>.*)$")
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
+# test-backend-ops enumerates registered backends only: compiled beside it, this registers the RPC
+# server named by RPC_ENDPOINT_ENV (`unix:PATH` or HOST:PORT), which test-backend-ops then calls RPC0
+RPC_ENDPOINT_ENV = "APIRCTL_TEST_RPC_ENDPOINT"
+RPC_SHIM = r"""
+#include "ggml-backend.h"
+#include "ggml-rpc.h"
+#include <cstdlib>
+namespace {
+struct register_rpc {
+    register_rpc() {
+        const char * endpoint = std::getenv("APIRCTL_TEST_RPC_ENDPOINT");
+        if (endpoint != nullptr) {
+            ggml_backend_register(ggml_backend_rpc_add_server(endpoint));
+        }
+    }
+} registered;
+}
+"""
+
 
 @dataclass
 class Counts:
