@@ -21,7 +21,7 @@ import pytest
 
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
-from tests.support.backend_ops import ANSI, CASE, RPC_ENDPOINT_ENV, RPC_SHIM, SUBSETS, Counts
+from tests.support.backend_ops import RPC_ENDPOINT_ENV, RPC_SHIM, SUBSETS, read_counts
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Unix socket")]
@@ -87,18 +87,7 @@ def test_backend_ops_through_rpc_pass_or_are_unsupported(tester: Path, server, t
         done = subprocess.run(args, capture_output=True, text=True, timeout=300,
                               env={**os.environ, RPC_ENDPOINT_ENV: f"unix:{path}"})
         where = f"{op}: {done.stdout[-2000:]}{done.stderr[-2000:]}\nserver: {log.read_text(errors='replace')[-2000:]}"
-        counts = Counts()
-        for line in ANSI.sub("", done.stdout).splitlines():
-            m = CASE.search(line)
-            if m is None:
-                continue
-            result = m["result"].strip()
-            if result.startswith("not supported"):
-                counts.unsupported.append(f"{m['params']}: {result}")
-            elif result == "OK":
-                counts.passed += 1
-            else:
-                counts.failed.append(line.strip())
+        counts = read_counts(done.stdout)
         assert proc.poll() is None, f"the server died during {where}"
         assert "graph refused" not in log.read_text(errors="replace"), where  # the client asked first
         assert done.returncode == 0 and not counts.failed, where

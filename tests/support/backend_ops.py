@@ -91,8 +91,13 @@ def run_op(exe: Path, socket_path: Path, op: str, log: Path, device: str = DEVIC
     done = subprocess.run(args, capture_output=True, text=True, timeout=OP_TIMEOUT, env=env)
     with log.open("a") as out:
         out.write(f"$ {' '.join(args)}\n{done.stdout}{done.stderr}\nexit status {done.returncode}\n")
+    return done, read_counts(done.stdout)
+
+
+def read_counts(stdout: str) -> Counts:
+    """A test-backend-ops run's cases: passed, reported unsupported (with the reason), failed (the line)."""
     counts = Counts()
-    for line in ANSI.sub("", done.stdout).splitlines():
+    for line in ANSI.sub("", stdout).splitlines():
         m = CASE.search(line)
         if m is None:
             continue
@@ -103,4 +108,4 @@ def run_op(exe: Path, socket_path: Path, op: str, log: Path, device: str = DEVIC
             counts.passed += 1
         else:
             counts.failed.append(line.strip())
-    return done, counts
+    return counts
