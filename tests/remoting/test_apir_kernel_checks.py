@@ -149,6 +149,32 @@ def rope(ne0: int, n_dims: int, n_offs: int = 0) -> Callable[[Layout], Graph]:
     return build
 
 
+def rope_freq_factors(ne0: int, n_dims: int, n_factors: int) -> Callable[[Layout], Graph]:
+    """ROPE of a row of `ne0` with `n_factors` frequency factors: ggml-cpu's rotation cache reads ne0/2."""
+
+    def build(lay: Layout) -> Graph:
+        a = lay.t((ne0, 1, 1), TYPE_F32, contiguous((ne0,), 4))
+        pos = lay.t((1,), TYPE_I32, contiguous((1,), 4))
+        factors = lay.t((n_factors,), TYPE_F32, contiguous((n_factors,), 4))
+        params = [0, n_dims, 0, 4096, f32_bits(10000.0), f32_bits(1.0), f32_bits(0.0), f32_bits(1.0),
+                  f32_bits(32.0), f32_bits(1.0)]
+        return lay.node(lay.t((ne0, 1, 1), TYPE_F32, contiguous((ne0,), 4), OP_ROPE, [a, pos, factors], params))
+
+    return build
+
+
+def scale_of_rows(nb1: int) -> Callable[[Layout], Graph]:
+    """SCALE of [23,1,3] F32 rows 92 bytes apart, its dimension of 1 of stride `nb1`: 276 is a [23,3]
+    permuted, which ggml_is_contiguous calls contiguous, and ggml-cpu read row 2 at 2 * 276."""
+
+    def build(lay: Layout) -> Graph:
+        a = lay.t((23, 1, 3), TYPE_F32, (4, nb1, 92, 276), extent=276)
+        return lay.node(lay.t((23, 1, 3), TYPE_F32, contiguous((23, 1, 3), 4), OP_SCALE, [a],
+                              [f32_bits(2.0), f32_bits(0.0)]))
+
+    return build
+
+
 def mul_mat_b_strides(strides: tuple[int, int, int, int]) -> Callable[[Layout], Graph]:
     """A [4,4] times B [4,8] whose rows are `strides` apart: zero or overlapping."""
 
@@ -210,6 +236,9 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "set-rows-into-f64": set_rows_into(TYPE_F64, 8),
     "set-rows-into-i8": set_rows_into(TYPE_I8, 1),
     "set-rows-into-i16": set_rows_into(TYPE_I16, 2),
+    # found by the graph fuzzer (docs/reliability.md), past the rules of both hosts
+    "rope-freq-factors-shorter-than-half-the-row": rope_freq_factors(8, 4, 2),
+    "scale-of-a-permuted-source-with-a-dimension-of-1": scale_of_rows(276),
 }
 
 
@@ -245,6 +274,8 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "rms-norm-f32": f32_row_op(OP_RMS_NORM, [f32_bits(1e-6)]),
     "soft-max-f32": f32_row_op(OP_SOFT_MAX, [f32_bits(1.0), f32_bits(0.0)]),
     "set-rows-into-f16": set_rows_into_f16,
+    "rope-freq-factors-of-half-the-row": rope_freq_factors(8, 4, 4),
+    "scale-of-rows-packed-across-a-dimension-of-1": scale_of_rows(92),
 }
 
 

@@ -31,12 +31,13 @@ FEATURE_SUPPORTS_OP = 0x01  # rpc_msg_hello_rsp.features
 FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: backends skip a node without it
 F32, F16, Q8_0, IQ2_XXS, I32, BF16 = 0, 1, 8, 16, 26, 30
 BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), BF16: (2, 1), Q8_0: (34, 32), IQ2_XXS: (66, 256)}  # bytes, elements
-OP_NONE, OP_ADD, OP_RMS_NORM, OP_MUL_MAT, OP_CPY, OP_ROPE = 0, 2, 25, 29, 34, 48
+OP_NONE, OP_ADD, OP_RMS_NORM, OP_MUL_MAT, OP_SCALE, OP_CPY, OP_ROPE = 0, 2, 25, 29, 32, 34, 48
 # rpc_tensor: id, type, buffer, ne[4], nb[4], op, op_params[16], flags, src[10], view_src, view_offs, data,
 # name[64], use_count
 TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
 assert TENSOR.size == 296
 BUFFER_SIZE = 1 << 20
+F32_ONE, F32_TWO = struct.unpack("<2i", struct.pack("<2f", 1.0, 2.0))
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -174,6 +175,15 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
                                                nb=[4, 0, 0, 0])]),
         # a node without a buffer: the kernel writes through a NULL data pointer
         "node-without-a-buffer": ([2], [f32, tensor(2, F32, [4096], op=OP_ADD, src=[1, 1])]),
+        # found by the graph fuzzer (docs/reliability.md): the rotation cache reads ne0/2 = 4 frequency
+        # factors, the constructor's n_dims/2 = 2 are there
+        "rope-freq-factors-shorter-than-half-the-row": ([3], [
+            s.at(1, F32, [8, 1, 1], 0), s.at(2, I32, [1], 4096), s.at(4, F32, [2], 8192),
+            s.at(3, F32, [8, 1, 1], 12288, op=OP_ROPE, src=[1, 2, 4], params=[0, 4, 0, 4096, F32_ONE])]),
+        # a [23,3] permuted to [23,1,3]: "contiguous" to ggml, and the CPU's SCALE reads row 2 at 2 * nb[1]
+        "scale-of-a-permuted-source-with-a-dimension-of-1": ([2], [
+            s.at(1, F32, [23, 1, 3], 0, nb=[4, 276, 92, 276]),
+            s.at(2, F32, [23, 1, 3], 4096, op=OP_SCALE, src=[1], params=[F32_TWO])]),
     }
 
 
@@ -194,6 +204,10 @@ def test_the_server_says_it_answers_supports_op(server) -> None:  # type: ignore
         assert supports(tensor(1, F16, [64], op=OP_RMS_NORM, src=[2]), tensor(2, F16, [64])) == 0
         assert supports(tensor(1, F32, [3], op=OP_ROPE, src=[2, 3], params=[0, 2]), tensor(2, F32, [3]),
                         tensor(3, I32, [1])) == 0
+        # SCALE steps rows by nb[1]: refused over a permuted dimension of 1, answered over packed rows
+        scale = tensor(1, F32, [23, 1, 3], op=OP_SCALE, src=[2], params=[F32_TWO])
+        assert supports(scale, tensor(2, F32, [23, 1, 3], nb=[4, 276, 92, 276])) == 0
+        assert supports(scale, tensor(2, F32, [23, 1, 3], nb=[4, 92, 92, 276])) == 1
         assert not s.closed_by_server()  # answers, never a dropped connection, for a well-formed question
     finally:
         s.close()
@@ -201,7 +215,9 @@ def test_the_server_says_it_answers_supports_op(server) -> None:  # type: ignore
 
 @pytest.mark.parametrize("name", ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-types",
                                   "rms-norm-on-f16", "cpy-rows-unlike-the-destination", "rope-of-an-odd-row",
-                                  "mul-mat-of-zero-strides", "node-without-a-buffer"])
+                                  "mul-mat-of-zero-strides", "node-without-a-buffer",
+                                  "rope-freq-factors-shorter-than-half-the-row",
+                                  "scale-of-a-permuted-source-with-a-dimension-of-1"])
 def test_a_graph_the_kernels_cannot_run_is_refused_and_the_server_serves_on(server, name: str) -> None:  # type: ignore[no-untyped-def]
     proc, path, log = server
     add_computes(path)
