@@ -9,11 +9,8 @@ its figures are in docs/reliability.md.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -49,36 +46,24 @@ SMOKE_SECONDS = 15
 
 
 # The campaigns find two reads that patch 0015's rules still let through (ROPE frequency factors shorter
-# than half a row; SCALE of a permuted source with a dimension of 1: tests/apir/graph_fuzz/findings/), and
-# their sanitized build takes half an hour on two cores. They run where APIRCTL_GRAPH_FUZZ=1 until both
-# rules are in the series and the build shares CI's ccache; the corpus tests above run everywhere.
+# than half a row; SCALE of a permuted source with a dimension of 1: tests/apir/graph_fuzz/findings/), so
+# they run where APIRCTL_GRAPH_FUZZ=1 until both rules are in the series; the corpus tests above run
+# everywhere.
 CAMPAIGNS = pytest.mark.skipif(os.environ.get("APIRCTL_GRAPH_FUZZ") != "1",
                                reason="set APIRCTL_GRAPH_FUZZ=1: two findings of 0015 are open (docs/reliability.md)")
 
 
 @pytest.fixture(scope="module")
-def fuzzers() -> dict[str, Path]:
-    """Both fuzzers built from the pinned, patched source (cached by the series' digest and the harnesses)."""
-    if sys.platform != "linux":
-        pytest.skip("the harnesses use Linux's mmap, dlsym and Unix sockets")
-    if shutil.which("clang++") is None or shutil.which("cmake") is None:
-        pytest.skip("clang++ (with libFuzzer) and cmake are needed")
-    from apirctl.build import ccache, llamacpp
-    from tests.conftest import SHARED_CACHE, shared_env
+def fuzzers(sanitized_ggml) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    """Both fuzzers: their harnesses linked against the suite's one sanitized tree (tests/apir/conftest.py),
+    the dispatch fuzzer's; cached by the harnesses' digest. The tree is built once: these cost seconds."""
     from tests.support import native_builds
 
-    with shared_env():
-        src = llamacpp.source_dir()
-        harness = hashlib.sha256(b"".join((graph_build.HERE / s).read_bytes() for s in graph_build.SOURCES))
-        key = llamacpp.patches_digest()[:16] + "-" + harness.hexdigest()[:8]
-    build_dir = SHARED_CACHE / "graph-fuzz" / key
-    exes = {name: build_dir / name for name in graph_build.HARNESSES}
+    out = sanitized_ggml.harness_dir(graph_build.harness_digest())
+    exes = {name: out / name for name in graph_build.HARNESSES}
     if not all(exe.exists() for exe in exes.values()):
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # through a link in the build directory: the same relative paths for every key (ccache hits)
-        linked = ccache.link_source(src, build_dir)
-        with native_builds.ccache_in_environment(), native_builds.timed("the graph fuzzers (clang, sanitized)"):
-            exes = graph_build.build(linked, build_dir)
+        with native_builds.timed("the graph fuzzers' harnesses (against the sanitized tree)"):
+            exes = graph_build.build_fuzzers(sanitized_ggml.src, sanitized_ggml.lib_dir, out)
     return exes
 
 
