@@ -30,8 +30,10 @@ fuzzers and the libraries they load into DIR (about 20 MiB, DWARF stripped) for 
     python3 benchmarks/fuzz_graphs.py --build-dir $APIRCTL_TEST_CACHE/sanitized-ggml/KEY --pack .device/gfuzz-pack
 
     # a 64-core machine, 9 minutes in all, build included, results into $OUT:
-    python3 benchmarks/fuzz_graphs.py --sdist SDIST --work /tmp/gf --campaign --deadline 570 \\
+    python3 benchmarks/fuzz_graphs.py --sdist SDIST --work /tmp/gf --campaign --deadline 540 \\
         --graphs 1000000 --label 1e6 --results-dir $OUT
+    # the same from fuzzers packed here (--pack), where that machine has no clang:
+    python3 benchmarks/fuzz_graphs.py --prebuilt PACK --work /tmp/gf --campaign --deadline 540 ...
     # the rediscovery measure (fork mode, past findings), against a tree before the checks:
     python3 benchmarks/fuzz_graphs.py --src TREE --build-dir DIR --hunt 900 --label series-0014
 
@@ -145,7 +147,7 @@ def build_fuzzers(src: Path, build_dir: Path, hosts: list[str], jobs: int) -> di
     return built
 
 
-def pack(exes: dict[str, Path], lib_dir: Path, out: Path) -> None:
+def pack(exes: dict[str, Path], lib_dir: Path, out: Path, patches: Path, note: str) -> None:
     """The fuzzers and the libraries they load, in `out` (out/lib), for a machine without clang: each
     library once, under its soname (`libX.so.0`, what the fuzzers link), with `libX.so` a link to it
     (what the APIR backend library loads)."""
@@ -162,6 +164,11 @@ def pack(exes: dict[str, Path], lib_dir: Path, out: Path) -> None:
     if shutil.which("strip"):  # DWARF off: half the size; reports keep function names and file:line of asserts
         files = [p for p in out.rglob("*") if p.is_file() and not p.is_symlink()]
         subprocess.run(["strip", "--strip-debug", *map(str, files)], check=True)
+    digest, names = series_digest(patches)
+    manifest = {"patch_digest": digest, "patches": names, "harness_digest": graph_build.harness_digest(),
+                "packed": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "arch": platform.machine(), "local_change": note or None}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file() and not p.is_symlink())
     print(f"fuzz_graphs: packed {', '.join(exes)} into {out} ({size >> 20} MiB)")
 
@@ -179,7 +186,7 @@ def prebuilt(folder: Path, hosts: list[str]) -> dict[str, Path]:
     """Fuzzers packed by --pack: their libraries found through LD_LIBRARY_PATH."""
     exes = {h: folder / h for h in hosts}
     missing = [h for h, exe in exes.items() if not exe.exists()]
-    if missing or not (folder / "lib").is_dir():
+    if missing or not (folder / "lib").is_dir() or not (folder / "manifest.json").exists():
         fail(f"{folder} holds no packed {', '.join(missing) or 'lib/'}", "make it with --pack DIR where clang is")
     os.environ["LD_LIBRARY_PATH"] = f"{folder / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}".rstrip(":")
     return exes
@@ -403,17 +410,23 @@ def main() -> None:
                unpack_sdist(args.sdist.resolve(), args.patches.resolve(), work, args.upto))
         exes = build_fuzzers(src, build_dir, hosts, args.jobs)
         if args.pack:
-            pack(exes, build_dir / "bin", args.pack.resolve())
+            pack(exes, build_dir / "bin", args.pack.resolve(), args.patches, args.local_change)
     elif found := built_fuzzers(build_dir, hosts):
         exes = found  # a tree built before: this script's, or the suite's (its harnesses/ folder)
         if args.pack:
-            pack(exes, build_dir / "bin", args.pack.resolve())
+            pack(exes, build_dir / "bin", args.pack.resolve(), args.patches, args.local_change)
     else:
         fail("no fuzzers to run", "pass --src TREE, --sdist ARCHIVE, --prebuilt DIR, or a --build-dir that holds them")
     if not (args.campaign or args.hunt):
         return
 
     digest, names = series_digest(args.patches)
+    packed = json.loads((args.prebuilt / "manifest.json").read_text()) if args.prebuilt else {}
+    if packed:  # what the packed fuzzers were built from, not this checkout's series
+        digest, names = packed["patch_digest"], packed["patches"]
+        args.local_change = args.local_change or packed.get("local_change") or ""
+        if packed["harness_digest"] != graph_build.harness_digest():
+            print("fuzz_graphs: the packed harnesses are not this checkout's", file=sys.stderr)
     if args.upto:
         names = [n for n in names if n[:4] <= args.upto]
     corpus = sorted(campaign.CORPUS.iterdir())
@@ -427,7 +440,7 @@ def main() -> None:
                    "digest": hashlib.sha256(b"".join(p.read_bytes() for p in corpus)).hexdigest()[:12],
                    "folder": "tests/apir/graph_fuzz/corpus"},
         "sanitizers": "address,undefined (libraries and harness), libFuzzer", "seed": args.seed,
-        "source": "prebuilt" if args.prebuilt else "built", "hosts": {},
+        "source": "prebuilt" if args.prebuilt else "built", "packed": packed or None, "hosts": {},
     }
     if args.hunt:
         jobs = args.workers or max(1, os.cpu_count() or 1)
