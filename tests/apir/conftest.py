@@ -79,3 +79,44 @@ def harness(virtgpu_src: Path, llama_build, tmp_path_factory: pytest.TempPathFac
     h = Harness(binary)
     yield h
     h.close()
+
+
+class SanitizedTree:
+    """The suite's one sanitized GGML tree (tests/apir/fuzz/build.py) and where harnesses linked against it go."""
+
+    def __init__(self, src: Path, root: Path) -> None:
+        self.src, self.root, self.lib_dir = src, root, root / "bin"
+
+    def harness_dir(self, digest: str) -> Path:
+        """A folder of harnesses keyed by their sources' digest, inside the tree they link against."""
+        return self.root / "harnesses" / digest
+
+
+@pytest.fixture(scope="session")
+def sanitized_ggml() -> SanitizedTree:
+    """The sanitized libraries every fuzzer links (the dispatch fuzzer and both graph fuzzers), built once
+    from the pinned, patched source, keyed by the series' digest and the tree's configuration."""
+    import sys
+
+    if sys.platform != "linux":
+        pytest.skip("the fuzzers use Linux's mmap, dlsym and Unix sockets")
+    if shutil.which("clang++") is None or shutil.which("cmake") is None:
+        pytest.skip("clang++ (with libFuzzer) and cmake are needed")
+    from apirctl.build import ccache, llamacpp
+    from tests.apir.fuzz import build as fuzz_build
+    from tests.conftest import SHARED_CACHE, shared_env
+    from tests.support import native_builds
+
+    with shared_env():
+        src = llamacpp.source_dir()
+        key = llamacpp.patches_digest()[:16] + "-" + fuzz_build.configuration_digest()
+    root = SHARED_CACHE / "sanitized-ggml" / key
+    tree = SanitizedTree(src, root)
+    if not all((tree.lib_dir / f"lib{t}.so").exists() for t in fuzz_build.TARGETS):
+        root.mkdir(parents=True, exist_ok=True)
+        # through a link in the build directory: the same relative paths for every key (ccache hits)
+        linked = ccache.link_source(src, root)
+        what = "the sanitized GGML tree (clang, ASan + UBSan + libFuzzer)"
+        with native_builds.ccache_in_environment(), native_builds.timed(what):
+            fuzz_build.build_libraries(linked, root)
+    return tree

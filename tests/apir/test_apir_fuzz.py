@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-import shutil
 import struct
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -159,27 +157,17 @@ SMOKE_SECONDS = 15
 
 
 @pytest.fixture(scope="module")
-def fuzzer() -> Path:
-    """The fuzzer built from the pinned, patched source (cached by the series' digest and the harness)."""
-    if sys.platform != "linux":
-        pytest.skip("the harness uses Linux's mmap and dlsym")
-    if shutil.which("clang++") is None or shutil.which("cmake") is None:
-        pytest.skip("clang++ (with libFuzzer) and cmake are needed")
-    from apirctl.build import ccache, llamacpp
-    from tests.conftest import SHARED_CACHE, shared_env
+def fuzzer(sanitized_ggml) -> Path:  # type: ignore[no-untyped-def]
+    """The fuzzer: its harness linked against the suite's one sanitized tree (tests/apir/conftest.py),
+    which the graph fuzzers share; cached by the harness's digest."""
     from tests.support import native_builds
 
-    with shared_env():
-        src = llamacpp.source_dir()
-        key = llamacpp.patches_digest()[:16] + "-" + hashlib.sha256(fuzz_build.HARNESS.read_bytes()).hexdigest()[:8]
-    build_dir = SHARED_CACHE / "apir-fuzz" / key
-    exe = build_dir / "apir_dispatch_fuzz"
+    digest = hashlib.sha256(fuzz_build.HARNESS.read_bytes()).hexdigest()[:8]
+    exe = sanitized_ggml.harness_dir(digest) / "apir_dispatch_fuzz"
     if not exe.exists():
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # through a link in the build directory: the same relative paths for every key (ccache hits)
-        linked = ccache.link_source(src, build_dir)
-        with native_builds.ccache_in_environment(), native_builds.timed("the APIR fuzzer (clang, sanitized)"):
-            fuzz_build.build(linked, build_dir)
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        with native_builds.timed("the APIR dispatch fuzzer's harness (against the sanitized tree)"):
+            fuzz_build.build_fuzzer(sanitized_ggml.lib_dir, exe)
     return exe
 
 

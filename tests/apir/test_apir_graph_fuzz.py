@@ -9,17 +9,17 @@ its figures are in docs/reliability.md.
 
 from __future__ import annotations
 
-import hashlib
-import os
 import re
 import shutil
-import sys
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.apir.graph_fuzz import build as graph_build
 from tests.apir.graph_fuzz import campaign, seeds
+from tests.support import waiting
 
 
 def test_the_committed_corpus_is_what_seeds_writes(tmp_path: Path) -> None:
@@ -46,50 +46,26 @@ def test_a_dimension_reads_as_the_generator_reads_it() -> None:
 
 #: CI's fuzz smoke, per host: seconds, not a campaign (docs/testing.md).
 SMOKE_SECONDS = 15
-
-
-# The campaigns find two reads that patch 0015's rules still let through (ROPE frequency factors shorter
-# than half a row; SCALE of a permuted source with a dimension of 1: tests/apir/graph_fuzz/findings/), and
-# their sanitized build takes half an hour on two cores. They run where APIRCTL_GRAPH_FUZZ=1 until both
-# rules are in the series and the build shares CI's ccache; the corpus tests above run everywhere.
-CAMPAIGNS = pytest.mark.skipif(os.environ.get("APIRCTL_GRAPH_FUZZ") != "1",
-                               reason="set APIRCTL_GRAPH_FUZZ=1: two findings of 0015 are open (docs/reliability.md)")
+HOSTS = ["apir_graph_fuzz", "rpc_graph_fuzz"]
+#: Reproducers of what the campaigns found past patches 0015 and 0018 (docs/reliability.md); the
+#: series' rules refuse each on both hosts.
+FINDINGS = sorted(p.name for p in (campaign.HERE / "findings").iterdir())
 
 
 @pytest.fixture(scope="module")
-def fuzzers() -> dict[str, Path]:
-    """Both fuzzers built from the pinned, patched source (cached by the series' digest and the harnesses)."""
-    if sys.platform != "linux":
-        pytest.skip("the harnesses use Linux's mmap, dlsym and Unix sockets")
-    if shutil.which("clang++") is None or shutil.which("cmake") is None:
-        pytest.skip("clang++ (with libFuzzer) and cmake are needed")
-    from apirctl.build import ccache, llamacpp
-    from tests.conftest import SHARED_CACHE, shared_env
+def fuzzers(sanitized_ggml) -> dict[str, Path]:  # type: ignore[no-untyped-def]
+    """Both fuzzers: their harnesses linked against the suite's one sanitized tree (tests/apir/conftest.py),
+    the dispatch fuzzer's; cached by the harnesses' digest. The tree is built once: these cost seconds."""
     from tests.support import native_builds
 
-    with shared_env():
-        src = llamacpp.source_dir()
-        harness = hashlib.sha256(b"".join((graph_build.HERE / s).read_bytes() for s in graph_build.SOURCES))
-        key = llamacpp.patches_digest()[:16] + "-" + harness.hexdigest()[:8]
-    build_dir = SHARED_CACHE / "graph-fuzz" / key
-    exes = {name: build_dir / name for name in graph_build.HARNESSES}
+    out = sanitized_ggml.harness_dir(graph_build.harness_digest())
+    exes = {name: out / name for name in graph_build.HARNESSES}
     if not all(exe.exists() for exe in exes.values()):
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # through a link in the build directory: the same relative paths for every key (ccache hits)
-        linked = ccache.link_source(src, build_dir)
-        with native_builds.ccache_in_environment(), native_builds.timed("the graph fuzzers (clang, sanitized)"):
-            exes = graph_build.build(linked, build_dir)
+        with native_builds.timed("the graph fuzzers' harnesses (against the sanitized tree)"):
+            exes = graph_build.build_fuzzers(sanitized_ggml.src, sanitized_ggml.lib_dir, out)
     return exes
 
 
-# ggml-rpc's server checks a graph's tensors against their buffers, not what the kernels assume of a
-# node (issue 30, item 2: one rule per op for both hosts); until it does, its campaign finds kernel
-# aborts and overflows at once. Strict: the day it checks them, these fail and the marks come off.
-RPC_UNCHECKED = pytest.mark.xfail(strict=True, reason="ggml-rpc's server does not check the kernels' preconditions yet")
-HOSTS = ["apir_graph_fuzz", pytest.param("rpc_graph_fuzz", marks=RPC_UNCHECKED)]
-
-
-@CAMPAIGNS
 @pytest.mark.integration
 @pytest.mark.parametrize("host", HOSTS)
 def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
@@ -101,7 +77,6 @@ def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_p
     assert done.graphs_built >= n and done.graphs_computed >= n - 2, done.result.log_tail
 
 
-@CAMPAIGNS
 @pytest.mark.integration
 @pytest.mark.parametrize("host", HOSTS)
 def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp_path: Path) -> None:
@@ -112,3 +87,38 @@ def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp
     assert done.result.clean, f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
     n = len(list(campaign.CORPUS.iterdir()))
     assert done.graphs_computed >= n - 2 and done.result.edges > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("finding", FINDINGS)
+def test_a_finding_is_refused(fuzzers: dict[str, Path], host: str, finding: str) -> None:
+    """Each committed reproducer, once: the host's checks refuse its graph (none computed), and no
+    sanitizer report or abort follows."""
+    done = campaign.replay(fuzzers[host], campaign.HERE / "findings" / finding)
+    assert done.returncode == 0, done.log
+    assert done.counts == campaign.Counts(built=1, computed=0, refused=1), done.log
+
+
+@pytest.mark.integration
+def test_a_fuzzer_that_is_killed_has_counted_its_graphs(fuzzers: dict[str, Path], tmp_path: Path) -> None:
+    """The counts the campaigns sum are in a file each fuzzer process maps, so a process that dies
+    (a finding's crash handler, or SIGKILL here) has left them: a campaign's count misses no round."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for seed_file in campaign.CORPUS.glob("mul_mat-*"):  # matrix products: many graphs, quickly
+        shutil.copy(seed_file, corpus / seed_file.name)
+    counts = tmp_path / "counts"
+    counts.mkdir()
+    proc = subprocess.Popen([str(fuzzers["apir_graph_fuzz"]), str(corpus), "-runs=100000000", "-seed=7",
+                             f"-artifact_prefix={tmp_path}/"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=campaign.environment(counts))
+    try:
+        waiting.wait_for("20 graphs computed by the fuzzer", lambda: campaign.read_counts(counts).computed >= 20,
+                         timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    counted = campaign.read_counts(counts)
+    assert counted.computed >= 20 and counted.built >= counted.computed + counted.refused

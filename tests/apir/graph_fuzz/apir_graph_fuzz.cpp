@@ -14,7 +14,8 @@
 // against libraries compiled with -fsanitize=address,undefined,fuzzer-no-link (build.py).
 //
 // Environment: APIR_FUZZ_GGML_LIBRARY (default libggml-cpu.so next to the backend library),
-// GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph.
+// GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph,
+// GFUZZ_COUNTS=DIR keeps the counts in a file there (graph_gen.h's map_counts).
 
 #include "graph_gen.h"
 #include "ggml-backend.h"
@@ -107,7 +108,8 @@ ggml_backend_t *     library_bck = nullptr;
 ggml_backend_dev_t * library_dev = nullptr;
 std::string ggml_library;
 uint64_t    buft_id = 0;
-size_t      accepted[GGML_OP_COUNT], tried[GGML_OP_COUNT], computed = 0, inputs = 0;
+size_t      accepted[GGML_OP_COUNT], tried[GGML_OP_COUNT];
+gfuzz::counts * counts = nullptr;
 
 const char * get_config(uint32_t, const char * key) {
     if (strcmp(key, "ggml.library.path") == 0) {
@@ -262,7 +264,8 @@ void print_stats() {
     if (!getenv("GFUZZ_STATS")) {
         return;
     }
-    fprintf(stderr, "apir-graph-fuzz: %zu inputs, %zu graphs computed\n", inputs, computed);
+    fprintf(stderr, "apir-graph-fuzz: %zu inputs, %zu graphs computed\n", (size_t) counts->inputs,
+            (size_t) counts->computed);
     for (int op = 0; op < GGML_OP_COUNT; op++) {
         if (tried[op]) {
             fprintf(stderr, "  %-16s tried %8zu computed %8zu\n", ggml_op_name((ggml_op) op), tried[op], accepted[op]);
@@ -273,6 +276,7 @@ void print_stats() {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int *, char ***) {
+    counts          = gfuzz::map_counts("apir_graph_fuzz");
     describe_graphs = getenv("GFUZZ_DESCRIBE") != nullptr;
     if (!getenv("GFUZZ_VERBOSE")) {
         ggml_log_set(silent_log, nullptr);
@@ -319,7 +323,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (!gfuzz::generate(data, size, g)) {
         return -1;
     }
-    inputs++;
+    counts->inputs++;
     if (describe_graphs) {
         gfuzz::describe(g);
     }
@@ -388,7 +392,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
             accepted[g.t[n].op]++;
         }
     }
-    computed += ok;
+    counts->computed += ok;
+    counts->refused += !ok;
 
     for (uint64_t buffer : buffers) {
         writer free_req;

@@ -20,17 +20,20 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from tests.apir.fuzz.campaign import Result, parse
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "corpus"
-COMPUTED = re.compile(r"^(?:apir|rpc)-graph-fuzz: (\d+) inputs, (\d+) graphs computed", re.M)
+#: A harness's counts file (graph_gen.h's `counts`): inputs that built a graph, graphs computed, refused.
+COUNTS = struct.Struct("<QQQ")
 ASAN = re.compile(r"ERROR: AddressSanitizer: ([\w-]+)")
 ACCESS = re.compile(r"^(READ|WRITE) of size (\d+)", re.M)
 UBSAN = re.compile(r"([\w./-]+:\d+):\d+: runtime error: (.*)")
@@ -42,15 +45,54 @@ ASSERT = re.compile(r"Assertion `(.*)' failed")
 NODE = re.compile(r"^\s+t\d+ \*(\S+)\s+(\S+)\s+ne \[([^\]]*)\]", re.M)
 
 
-def environment() -> dict[str, str]:
-    """Sanitizer options for the fuzzers: an abort is a finding (handle_abort), ggml prints no gdb backtrace.
+def environment(counts: Path | None = None) -> dict[str, str]:
+    """Sanitizer options for the fuzzers: an abort is a finding (handle_abort), ggml prints no gdb backtrace;
+    with `counts`, each fuzzer process keeps its counts in a file there (read by `read_counts`).
 
     Leaks are not looked for here: the dispatch fuzzer (tests/apir/fuzz) does that, and the RPC
     server's thread keeps its connection's objects across inputs."""
-    return {**os.environ,
-            "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1:handle_abort=1:symbolize=1",
-            "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
-            "GGML_NO_BACKTRACE": "1", "GFUZZ_STATS": "1"}
+    env = {**os.environ,
+           "ASAN_OPTIONS": "detect_leaks=0:allocator_may_return_null=1:handle_abort=1:symbolize=1",
+           "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+           "GGML_NO_BACKTRACE": "1", "GFUZZ_STATS": "1"}
+    if counts is not None:
+        env["GFUZZ_COUNTS"] = str(counts)
+    return env
+
+
+class Counts(NamedTuple):
+    built: int  # inputs that built a graph
+    computed: int  # graphs the host computed
+    refused: int  # graphs the host's checks refused
+
+
+def read_counts(folder: Path) -> Counts:
+    """The counts of every fuzzer process that wrote them in `folder`, summed: a process that ended in a
+    finding, or was killed, counts too (the harness maps the file)."""
+    total = [0, 0, 0]
+    for f in folder.glob("*.counts"):
+        data = f.read_bytes()
+        if len(data) >= COUNTS.size:
+            total = [a + b for a, b in zip(total, COUNTS.unpack_from(data), strict=True)]
+    return Counts(*total)
+
+
+@dataclass
+class Replay:
+    """One input run once: the fuzzer's exit, its counts and its log."""
+
+    returncode: int
+    counts: Counts
+    log: str
+
+
+def replay(fuzzer: Path, data: Path, timeout: int = 120) -> Replay:
+    """`data` through the fuzzer once (libFuzzer's single-input mode), with its counts."""
+    with tempfile.TemporaryDirectory(prefix="graph-fuzz-replay-") as tmp:
+        # -detect_leaks=0: else libFuzzer runs an input again when its mallocs and frees differ
+        done = subprocess.run([str(fuzzer), str(data), "-detect_leaks=0"], capture_output=True, text=True,
+                              errors="replace", env=environment(Path(tmp)), timeout=timeout)
+        return Replay(done.returncode, read_counts(Path(tmp)), done.stderr[-4000:])
 
 
 @dataclass
@@ -61,13 +103,6 @@ class Campaign:
     result: Result
     graphs_built: int = 0
     graphs_computed: int = 0
-
-
-def _counts(log: str) -> tuple[int, int]:
-    built = computed = 0
-    for m in COMPUTED.finditer(log):
-        built, computed = built + int(m.group(1)), computed + int(m.group(2))
-    return built, computed
 
 
 def _seed(work: Path, corpus: Path | None) -> None:
@@ -81,7 +116,9 @@ def run(fuzzer: Path, runs: int, artifacts: Path, seed: int = 1, max_total_time:
     """One libFuzzer run of `runs` inputs (or `max_total_time` seconds) from a copy of the corpus."""
     artifacts.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="graph-fuzz-corpus-") as tmp:
-        work = Path(tmp)
+        work, counts = Path(tmp) / "corpus", Path(tmp) / "counts"
+        work.mkdir()
+        counts.mkdir()
         _seed(work, corpus)
         cmd = ["nice", "-n", "10", str(fuzzer), str(work), f"-runs={runs}", f"-seed={seed}", f"-timeout={timeout}",
                f"-rss_limit_mb={rss_limit_mb}", f"-malloc_limit_mb={rss_limit_mb}", "-detect_leaks=0",
@@ -90,37 +127,40 @@ def run(fuzzer: Path, runs: int, artifacts: Path, seed: int = 1, max_total_time:
             cmd.append(f"-max_total_time={max_total_time}")
         before = set(artifacts.iterdir())
         start = time.monotonic()
-        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=environment())
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=environment(counts))
         result = Result(seconds=round(time.monotonic() - start, 1), returncode=done.returncode)
         parse(done.stderr, result)
         result.findings = sorted(str(p) for p in set(artifacts.iterdir()) - before
                                  if not p.name.startswith("slow-unit-"))
         result.log_tail = done.stderr[-4000:]
-        built, computed = _counts(done.stderr)
-        return Campaign(str(fuzzer), result, built, computed)
+        counted = read_counts(counts)
+        return Campaign(str(fuzzer), result, counted.built, counted.computed)
 
 
 def hunt(fuzzer: Path, seconds: int, artifacts: Path, seed: int = 1, timeout: int = 10,
-         corpus: Path | None = None, max_len: int = 512) -> Campaign:
-    """Fork mode for `seconds`: a child that crashes is replaced and its input kept in `artifacts`."""
+         corpus: Path | None = None, max_len: int = 512, jobs: int = 1) -> Campaign:
+    """Fork mode for `seconds` with `jobs` children at once: a child that crashes is replaced and its
+    input kept in `artifacts`."""
     artifacts.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="graph-fuzz-hunt-") as tmp:
-        work = Path(tmp)
+        work, counts = Path(tmp) / "corpus", Path(tmp) / "counts"
+        work.mkdir()
+        counts.mkdir()
         _seed(work, corpus)
-        cmd = ["nice", "-n", "10", str(fuzzer), str(work), "-fork=1", "-ignore_crashes=1", "-ignore_timeouts=1",
+        cmd = ["nice", "-n", "10", str(fuzzer), str(work), f"-fork={jobs}", "-ignore_crashes=1", "-ignore_timeouts=1",
                "-ignore_ooms=1", f"-max_total_time={seconds}", f"-seed={seed}", f"-timeout={timeout}",
                "-rss_limit_mb=4096", "-detect_leaks=0", f"-artifact_prefix={artifacts}/", f"-max_len={max_len}",
                "-close_fd_mask=1"]
         start = time.monotonic()
-        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=environment(),
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", env=environment(counts),
                               timeout=seconds + 300)
         result = Result(seconds=round(time.monotonic() - start, 1), returncode=done.returncode)
         parse(done.stderr, result)
         # slow-unit-*: inputs libFuzzer reports as slow but within the timeout, not findings
         result.findings = sorted(str(p) for p in artifacts.iterdir() if not p.name.startswith("slow-unit-"))
         result.log_tail = done.stderr[-4000:]
-        built, computed = _counts(done.stderr)
-        return Campaign(str(fuzzer), result, built, computed)
+        counted = read_counts(counts)  # every fork-mode child's, those that crashed too
+        return Campaign(str(fuzzer), result, counted.built, counted.computed)
 
 
 @dataclass
@@ -140,14 +180,20 @@ class Finding:
 
 
 def classify(fuzzer: Path, artifact: Path) -> Finding:
-    done = subprocess.run([str(fuzzer), str(artifact)], capture_output=True, text=True, errors="replace",
-                          env={**environment(), "GFUZZ_DESCRIBE": "1"}, timeout=120)
-    log = done.stderr
+    # libFuzzer's own -timeout names a slow input; the subprocess's is for one that hangs past it
+    limit = 5 if artifact.name.startswith("timeout-") else 20  # a known slow input: only its graph is wanted
+    try:
+        done = subprocess.run([str(fuzzer), str(artifact), f"-timeout={limit}", "-detect_leaks=0"], capture_output=True,
+                              text=True, errors="replace", env={**environment(), "GFUZZ_DESCRIBE": "1"}, timeout=90)
+        log, returncode = done.stderr, done.returncode
+    except subprocess.TimeoutExpired as hung:
+        err = hung.stderr or ""
+        log, returncode = (err.decode(errors="replace") if isinstance(err, bytes) else err), -1
     found = Finding(str(artifact), mtime=artifact.stat().st_mtime)
     found.nodes = [f"{m.group(1)} {m.group(2)} [{m.group(3)}]" for m in NODE.finditer(log)]
     kernel = KERNEL.search(log)
     found.where = kernel.group(1) if kernel else ""
-    if artifact.name.startswith("timeout-") or "ERROR: libFuzzer: timeout" in log:
+    if artifact.name.startswith("timeout-") or "ERROR: libFuzzer: timeout" in log or returncode == -1:
         found.kind = "timeout"
     elif m := ASSERT.search(log):
         found.kind, found.message = "assert", m.group(1)  # a C assert(): built in Debug only
@@ -164,10 +210,10 @@ def classify(fuzzer: Path, artifact: Path) -> Finding:
             found.kind += " at pc 0 (a NULL function pointer)"
     elif "deadly signal" in log:
         found.kind = "signal"
-    elif done.returncode == 0:
+    elif returncode == 0:
         found.kind = "no longer reproduces"
     else:
-        found.kind = f"exit {done.returncode}"
+        found.kind = f"exit {returncode}"
     return found
 
 

@@ -21,13 +21,50 @@
 
 #include "ggml.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace gfuzz {
+
+// A harness's counts, in a file when GFUZZ_COUNTS names a folder: DIR/<harness>-<pid>.counts, mapped
+// shared, so they outlive the process. A run that ends in a finding exits from libFuzzer's crash
+// handler, which runs no atexit handler, and a killed worker runs none either; the campaign scripts
+// read every process's file (one per worker, one per fork-mode child) and sum them.
+struct counts {
+    uint64_t inputs;    // inputs that built a graph
+    uint64_t computed;  // graphs the host computed
+    uint64_t refused;   // graphs the host refused
+};
+
+inline counts * map_counts(const char * harness) {
+    static counts local;
+    const char *  dir = getenv("GFUZZ_COUNTS");
+    if (!dir || !*dir) {
+        return &local;
+    }
+    const std::string path = std::string(dir) + "/" + harness + "-" + std::to_string(getpid()) + ".counts";
+    const int         fd   = open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0 || ftruncate(fd, sizeof(counts)) != 0) {
+        fprintf(stderr, "%s: cannot write its counts to %s\n", harness, path.c_str());
+        abort();
+    }
+    void * p = mmap(nullptr, sizeof(counts), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (p == MAP_FAILED) {
+        fprintf(stderr, "%s: cannot map %s\n", harness, path.c_str());
+        abort();
+    }
+    return (counts *) p;
+}
 
 struct reader {
     const uint8_t * p;

@@ -16,7 +16,8 @@
 // A server that refuses a message closes the connection; the harness connects again for the next
 // input. Built as apir_graph_fuzz.cpp is (build.py), against libggml-rpc and libggml-cpu.
 //
-// Environment: GFUZZ_VERBOSE=1 keeps the libraries' logs, GFUZZ_STATS=1 prints counts at exit, GFUZZ_DESCRIBE=1 prints each graph.
+// Environment: GFUZZ_VERBOSE=1 keeps the libraries' logs, GFUZZ_STATS=1 prints counts at exit, GFUZZ_DESCRIBE=1 prints each graph,
+// GFUZZ_COUNTS=DIR keeps the counts in a file there (graph_gen.h's map_counts).
 
 #include "graph_gen.h"
 #include "ggml-backend.h"
@@ -68,7 +69,7 @@ constexpr size_t  CONN_CAPS_SIZE      = 24;
 bool        describe_graphs = false;
 std::string socket_path;
 int         fd       = -1;
-size_t      computed = 0, inputs = 0, refused = 0;
+gfuzz::counts * counts = nullptr;
 
 void silent_log(ggml_log_level, const char *, void *) {}
 
@@ -166,13 +167,15 @@ rpc_tensor record(const gfuzz::graph & g, int i, const std::vector<uint64_t> & b
 
 void print_stats() {
     if (getenv("GFUZZ_STATS")) {
-        fprintf(stderr, "rpc-graph-fuzz: %zu inputs, %zu graphs computed, %zu refused\n", inputs, computed, refused);
+        fprintf(stderr, "rpc-graph-fuzz: %zu inputs, %zu graphs computed, %zu refused\n", (size_t) counts->inputs,
+                (size_t) counts->computed, (size_t) counts->refused);
     }
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int *, char ***) {
+    counts          = gfuzz::map_counts("rpc_graph_fuzz");
     describe_graphs = getenv("GFUZZ_DESCRIBE") != nullptr;
     if (!getenv("GFUZZ_VERBOSE")) {
         ggml_log_set(silent_log, nullptr);
@@ -202,7 +205,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (!gfuzz::generate(data, size, g)) {
         return -1;
     }
-    inputs++;
+    counts->inputs++;
     if (describe_graphs) {
         gfuzz::describe(g);
     }
@@ -218,7 +221,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         put(req, (uint32_t) 0);
         put(req, (uint64_t) g.sizes[b]);
         uint64_t alloc_rsp[2] = {};
-        if (!command(CMD_ALLOC_BUFFER, req) || !response(alloc_rsp, sizeof(alloc_rsp)) || alloc_rsp[0] == 0) {
+        bool     allocated = command(CMD_ALLOC_BUFFER, req) && response(alloc_rsp, sizeof(alloc_rsp)) && alloc_rsp[0];
+        if (!allocated && b == 0) {
+            // a connection the server dropped after the last input, unnoticed until now: once more on a
+            // new one (a server that refuses a fresh client's first buffer is a finding)
+            disconnect();
+            allocated = connect_server() && command(CMD_ALLOC_BUFFER, req) &&
+                        response(alloc_rsp, sizeof(alloc_rsp)) && alloc_rsp[0];
+        }
+        if (!allocated) {
             fprintf(stderr, "rpc-graph-fuzz: a buffer of %zu bytes was refused\n", g.sizes[b]);
             abort();
         }
@@ -268,7 +279,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     uint64_t alignment = 0;
     std::vector<uint8_t> dev(4, 0);
     if (command(CMD_GRAPH_COMPUTE, req) && command(CMD_GET_ALIGNMENT, dev) && response(&alignment, sizeof(alignment))) {
-        computed++;
+        counts->computed++;
         for (uint64_t buffer : buffers) {
             req.clear();
             put(req, buffer);
@@ -276,7 +287,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         }
     } else {
         // refused: the server closed the connection, and freed the client's buffers with it
-        refused++;
+        counts->refused++;
         disconnect();
     }
     return 0;
