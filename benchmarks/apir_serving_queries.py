@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,6 +168,9 @@ def count(records: list[apir_trace.Record]) -> dict[str, Any]:
         "queries_after_by_function": {name: sum(1 for r in later if r.name == name) for name in QUERIES},
         "queries_per_step": round(queries / steps, 3) if steps else None,
         "other_calls_after": others,
+        "other_calls_after_by_function": dict(sorted(Counter(
+            r.name for r in later if r.name not in QUERIES and r.name not in ("ext_graph_run",
+                                                                               "backend_graph_compute")).items())),
         "round_trips_per_step": round((queries + others + steps) / steps, 3) if steps else None,
         "graphs_sent": summary.graph_cache.sent,
         "graph_bytes_per_step": round(summary.graph_bytes_per_compute or 0, 1),
