@@ -27,7 +27,7 @@ from tests.remoting.test_apir_host_native import apir_host, workdir  # noqa: F40
 from tests.support import build_servers
 from tests.support.backend_ops import ANSI, DEVICE
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 QUERIES = ("device_supports_op", "buffer_type_get_alloc_size")
 # the ops the frontend keeps by class, as test-backend-ops names them (GLU and UNARY by their kind)
