@@ -1066,8 +1066,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--serving-seconds", type=float, default=30.0, help="`serving`/`multi`: seconds per row")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="`serving`: streams per level")
-    ap.add_argument("--serving-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir"],
-                    help="`serving`: the remoting rows beside native")
+    ap.add_argument("--serving-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir", "apir-exact"],
+                    help="`serving`: the remoting rows beside native (apir-exact: APIR with the frontend's "
+                         "answers kept per exact shape, GGML_VIRTGPU_OP_CLASSES=0, as before patch 0020)")
     ap.add_argument("--multi-counts", type=int, nargs="+", default=[1, 2, 4], help="`multi`: servers at once")
     ap.add_argument("--mps", choices=["off", "on", "both"], default="off",
                     help="`multi`: time-sliced (off), under CUDA MPS (on), or both in turn")

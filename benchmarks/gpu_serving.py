@@ -222,10 +222,11 @@ class Serving:
             yield addr
 
     @contextlib.contextmanager
-    def apir_client(self, shape: str, name: str, index: int, slots: int) -> Iterator[tuple[str, int]]:
+    def apir_client(self, shape: str, name: str, index: int, slots: int,
+                    extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
         r = self.runner
         with r.apir_host(r.logs / f"serving-{name}.trace", log_name=f"apir-host-{name}.log") as sock:
-            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)}
+            env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)} | (extra_env or {})
             device = r.virtgpu_device(env)
             with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + index, slots, ["-dev", device], env,
                                    self.namespace()) as addr:
@@ -242,6 +243,10 @@ class Serving:
             servers = {"native": stack.enter_context(
                 self.llama_server(shape, f"{shape}-native", "127.0.0.1", NATIVE_PORT, SLOTS, []))}
             for i, path in enumerate(r.args.serving_paths):
+                if path == "apir-exact":  # the frontend's answers per exact shape, as before patch 0020
+                    servers[path] = stack.enter_context(self.apir_client(
+                        shape, f"{shape}-{path}", i, SLOTS, {"GGML_VIRTGPU_OP_CLASSES": "0"}))
+                    continue
                 make = {"rpc": self.rpc_client, "apir": self.apir_client}[path]
                 servers[path] = stack.enter_context(make(shape, f"{shape}-{path}", i, SLOTS))
             entry["load_s"] = round(time.monotonic() - t0, 1)

@@ -10,7 +10,9 @@ grants. A host from before the request carried them ignores it and answers every
 so the frontend keeps only those it asked for. FEATURE_WIDE_TENSORS, once granted, makes every
 tensor record of the client `apir_rpc_tensor_wide` (`tensor.RpcTensorWideC`) and every write record
 `WRITE_SIZE_WIDE` bytes; it is granted only to a frontend that asks, so upstream's frontend and an
-older one keep the narrow records.
+older one keep the narrow records. FEATURE_OP_CLASSES (llama_patches 0020) changes nothing the host
+reads: the host vouches that its backend's supports_op and get_alloc_size answers follow rules the
+frontend caches by op class, not by batch size; a library grants it only for the CPU and CUDA backends.
 
 EXT_GRAPH_RUN is a generated token's whole exchange in one call: the writes of its inputs, the
 graph (sent once, then named by the client's id), and its outputs copied into shared memory.
@@ -29,8 +31,9 @@ NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run"}
 
 FEATURE_GRAPH_RUN = 1 << 0
 FEATURE_WIDE_TENSORS = 1 << 1
+FEATURE_OP_CLASSES = 1 << 2
 #: what this library's host grants when asked
-FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS
+FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES
 
 RESULT_DONE = 0
 RESULT_UNKNOWN_GRAPH = 1
