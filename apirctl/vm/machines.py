@@ -119,15 +119,20 @@ def servers(all: bool = False) -> list[Server]:  # noqa: A002
 # --- starting -------------------------------------------------------------------------------------
 
 
-def kernel_command_line(model_file: str, argv: list[str]) -> str:
-    """console, panic → exit, and init's inputs: the model's name (an environment variable of init)
-    and, after `--`, the server's argv (each quoted)."""
+def kernel_command_line(model_file: str, argv: list[str], env: dict[str, str]) -> str:
+    """console, panic → exit, and init's inputs: the model's name and the image's environment (the
+    kernel hands init each KEY=VALUE it does not know) and, after `--`, the server's argv (each quoted)."""
+    for key, value in env.items():
+        if not key.replace("_", "").isalnum() or set(value) & (_UNSAFE | {" "}):
+            raise ApirctlError(f"the image's environment variable {key} cannot be passed into a VM",
+                               hint="run this image in a container")
     for arg in [model_file, *argv]:
         if _UNSAFE & set(arg):
             raise ApirctlError(f"the argument {arg!r} cannot be passed into a VM (it holds a quote or a newline)",
                                hint="leave that character out")
     quoted = " ".join(f'"{a}"' if (" " in a or not a) else a for a in argv)
-    return f"console=ttyS0 quiet panic=-1 APIRCTL_MODEL={model_file} -- {quoted}"
+    variables = " ".join(f"{k}={v}" for k, v in env.items())
+    return f"console=ttyS0 quiet panic=-1 {variables} APIRCTL_MODEL={model_file} -- {quoted}"
 
 
 def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, cmdline: str,
@@ -150,8 +155,8 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
     ]
 
 
-def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv: list[str], guest_port: int,
-           host_ip: str) -> VmRecord:
+def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv: list[str], env: dict[str, str],
+           guest_port: int, host_ip: str) -> VmRecord:
     """Start QEMU for `record` (its folder made here); returns the record with QEMU's pid. QEMU's own
     refusal (no /dev/kvm access, a taken port) is one line; the folder is removed then."""
     base = private_dir(root())
@@ -162,7 +167,7 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
         raise ApirctlError(f"a VM named {record.name} exists already",
                            hint=f"stop it with `apirctl stop {record.name}` or pick another --name") from exc
     try:
-        record.command = qemu_command(record, boot, rootfs, model, kernel_command_line(model.name, argv),
+        record.command = qemu_command(record, boot, rootfs, model, kernel_command_line(model.name, argv, env),
                                       guest_port, host_ip)
         _write(record)
         try:
