@@ -197,7 +197,13 @@ def _initramfs(busybox: Path, modules: list[tuple[str, Path]]) -> bytes:
 
 
 def ensure_boot_files() -> BootFiles:
-    """The kernel and initramfs, made once per kernel version and initramfs layout."""
+    """The kernel and initramfs, made once per kernel version and initramfs layout. Once made, apt is
+    not asked again (each apt-cache call costs seconds): a newer kernel is taken when the cache's
+    `vm/boot-*` folders are removed."""
+    made = sorted(p for p in _folder().glob(f"boot-*-l{LAYOUT}") if (p / "vmlinuz").is_file()
+                  and (p / "initrd").is_file())
+    if made:
+        return BootFiles(kernel=made[-1] / "vmlinuz", initrd=made[-1] / "initrd", version=made[-1].name[5:])
     kernel_package = _kernel_package()
     kernel_version = f"{kernel_package.removeprefix('linux-image-')}-{_package_version(kernel_package)}"
     busybox_version = _package_version(BUSYBOX_PACKAGE)
@@ -218,6 +224,7 @@ def ensure_boot_files() -> BootFiles:
             staged.rename(ready)
         except OSError:  # another start made it first
             shutil.rmtree(staged)
+        shutil.rmtree(kernel_root, ignore_errors=True)  # every module of the distribution: hundreds of MB
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
