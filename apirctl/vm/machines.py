@@ -15,14 +15,12 @@ to the initramfs's init (`boot`).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -235,11 +233,3 @@ def remove(name: str, timeout: float = STOP_TIMEOUT) -> bool:
             time.sleep(0.02)
     shutil.rmtree(where, ignore_errors=True)
     return True
-
-
-def created_now() -> float:
-    return datetime.now(tz=timezone.utc).timestamp()
-
-
-def describe(record: VmRecord) -> str:
-    return json.dumps({"accel": record.accel, "memory_mb": record.memory_mb, "cpus": record.cpus})
