@@ -339,6 +339,9 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
     server = find_server(name, all=True)
     if not server.managed:
         raise ApirctlError(f"{name} was not started by apirctl", hint="restart it where it was started")
+    if server.isolation == "vm":
+        raise ApirctlError(f"{server.name} is a VM: restart is for containers",
+                           hint=f"`apirctl stop {server.name}`, then serve it again with --isolation vm")
     limit = timeout if timeout is not None else config.settings().health_timeout
     record = rpc_server.read_record() if server.transport == "rpc" and server.rpc_link == "tcp" else None
     if record is not None and server.rpc_instance and server.rpc_instance != record.instance \

@@ -3,6 +3,7 @@ filesystem made from the inference image, the accelerator decision, and the one-
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -113,3 +114,27 @@ def test_doctor_says_whether_micro_vms_can_use_kvm() -> None:
         assert line.startswith("✔")
     else:
         assert problem in line and "Traceback" not in done.stderr
+
+
+def test_a_vm_whose_qemu_is_gone_is_listed_exited_logged_refused_a_restart_and_removed_by_stop(
+        podman: str) -> None:
+    """The listing, logs, restart and stop paths of a VM, on a record whose QEMU has ended (as after
+    a kill): no boot needed, so this runs on every host."""
+    from apirctl.podman.servers import L_API, L_ISOLATION, L_MODEL, L_TRANSPORT, L_VERSION
+
+    name = "vm-gone-test"
+    folder = machines.root() / name
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / machines.CONSOLE).write_text("apirctl-init: starting /app/bin/llama-server\nllama-server said bye\n")
+    labels = {L_VERSION: "0", L_MODEL: "demo", L_API: "http://127.0.0.1:1/v1", L_ISOLATION: "vm", L_TRANSPORT: "none"}
+    machines._write(machines.VmRecord(name=name, id="ab" * 32, labels=labels, image="img", port=1, pid=2 ** 22 + 7,
+                                      created=1.0e9, accel="kvm", memory_mb=512, cpus=1))
+    listed = {s["name"]: s for s in json.loads(_cli("ps", "-a", "--json").stdout)}
+    assert listed[name]["isolation"] == "vm" and listed[name]["state"] == "exited"
+    assert name not in {s["name"] for s in json.loads(_cli("ps", "--json").stdout)}
+    assert "llama-server said bye" in _cli("logs", name).stdout
+    refused = _cli("restart", name)
+    assert refused.returncode != 0 and "is a VM: restart is for containers" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert _cli("stop", name).returncode == 0
+    assert not folder.exists()
