@@ -98,6 +98,8 @@ def local_plan(opts: ServeOptions) -> Plan:
     (`--isolation vm`) runs on its own CPU: remoting across the VM boundary is not wired yet."""
     if opts.isolation not in ISOLATIONS:
         raise ApirctlError(f"--isolation {opts.isolation!r}: one of {', '.join(ISOLATIONS)}")
+    if opts.cpus is not None and opts.isolation != "vm":
+        raise ApirctlError("--cpus sizes a VM", hint="add --isolation vm, or leave --cpus out")
     if opts.isolation == "vm":
         if opts.transport not in ("auto", "none"):
             raise ApirctlError(f"--isolation vm runs llama-server on the VM's CPU, not --transport {opts.transport}",

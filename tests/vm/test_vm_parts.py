@@ -100,6 +100,8 @@ def test_serve_in_a_vm_refuses_remoting_in_one_line(podman: str, demo_model: Pat
     done = _cli("serve", str(demo_model), "--isolation", "vm", "--transport", "rpc")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "--isolation vm runs llama-server on the VM's CPU, not --transport rpc" in done.stderr
+    sized = _cli("serve", str(demo_model), "--cpus", "2")
+    assert sized.returncode != 0 and "--cpus sizes a VM" in sized.stderr and "Traceback" not in sized.stderr
     bad = _cli("serve", str(demo_model), "--isolation", "jail")
     assert bad.returncode != 0 and "Traceback" not in bad.stderr and "'container' or 'vm'" in bad.stderr
 
