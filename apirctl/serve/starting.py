@@ -190,7 +190,7 @@ def _start_vm(ready: Provisioned) -> Server:
         clock.phase("ready")
     except BaseException as exc:
         with uninterrupted():
-            tail = "\n".join(vm.logs(record.name, tail_lines=LOG_TAIL_LINES))
+            tail = vm.server_tail(record.name, LOG_TAIL_LINES)
             vm.remove(record.name)
         if isinstance(exc, ServeFailed):
             exc.log_tail = exc.log_tail or tail

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from apirctl.vm.accel import Accel, choose, kvm_problem
 from apirctl.vm.boot import BootFiles, ensure_boot_files
-from apirctl.vm.machines import VmRecord, alive, exists, launch, logs, records, remove, server_of, servers
+from apirctl.vm.machines import VmRecord, alive, exists, launch, logs, records, remove, server_of, server_tail, servers
 from apirctl.vm.rootfs import RootFs, ensure_rootfs
 
 __all__ = ["Accel", "BootFiles", "RootFs", "VmRecord", "choose", "ensure_boot_files", "ensure_rootfs", "exists",
-           "kvm_problem", "launch", "alive", "server_of", "logs", "records", "remove", "servers"]
+           "kvm_problem", "launch", "alive", "server_of", "server_tail", "logs", "records", "remove", "servers"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -212,6 +213,16 @@ def logs(name: str, tail_lines: int | None = None, follow: bool = False) -> Iter
                 yield from (rest.rstrip("\n") for rest in stream.readlines())
                 return
             time.sleep(0.1)
+
+
+_KERNEL_LINE = re.compile(r"^\[\s*\d+\.\d+\]")
+
+
+def server_tail(name: str, lines: int) -> str:
+    """The console's last lines from init and llama-server: the kernel's own (the panic that follows
+    the server's exit, a stack trace) left out, as they say nothing about why the server ended."""
+    kept = [line for line in logs(name) if not _KERNEL_LINE.match(line)]
+    return "\n".join(kept[-lines:])
 
 
 def remove(name: str, timeout: float = STOP_TIMEOUT) -> bool:

@@ -108,12 +108,11 @@ def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothin
 
 
 def test_a_vm_whose_server_fails_is_one_error_with_its_console_and_leaves_nothing(
-        podman: str, llama_image: str, tmp_path: Path) -> None:
-    broken = tmp_path / "broken.gguf"
-    broken.write_bytes(b"GGUF" + b"\0" * 4096)
+        podman: str, llama_image: str, demo_model: Path) -> None:
     name = f"vm-bad-{uuid.uuid4().hex[:6]}"
-    done = cli("serve", str(broken), "--isolation", "vm", "--name", name, "--port", str(_free_port()),
-               "--timeout", str(LIMIT))
+    done = cli("serve", str(demo_model), "--isolation", "vm", "--name", name, "--port", str(_free_port()),
+               "--timeout", str(LIMIT), "--", "--no-such-flag")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "the VM ended before its server was ready" in done.stderr
+    assert "no-such-flag" in done.stderr  # the console's last lines: llama-server's own refusal
     assert not machines.folder(name).exists()
