@@ -21,6 +21,8 @@ from apirctl.paths import dirs
 
 ENV_PREFIX = "APIRCTL_"
 Transport = Literal["auto", "gpu", "virtgpu", "rpc", "none"]
+Isolation = Literal["container", "vm"]
+VmAccel = Literal["auto", "kvm", "tcg"]
 RpcNetwork = Literal["auto", "slirp4netns", "pasta"]
 RpcListen = Literal["unix", "tcp"]
 
@@ -34,6 +36,10 @@ class Settings(BaseModel):
     port: int = Field(1234, gt=1024, lt=65536, description="host port of `apirctl serve`")
     host_ip: str = Field("127.0.0.1", description="host address the inference API is published on")
     transport: Transport = Field("auto", description="remoting transport for serve and bench")
+    isolation: Isolation = Field("container", description="what serve runs llama-server in: a Podman container, "
+                                 "or a QEMU micro-VM of the same image (vm)")
+    vm_accel: VmAccel = Field("auto", description="vm isolation's accelerator: kvm, tcg (emulated, slow), or auto "
+                              "(kvm where it runs ordinary guests, else tcg, saying why)")
     image: str | None = Field(None, description="container image for serve/bench (default: the local build)")
     ctx_size: int = Field(4096, ge=0, description="llama-server context size")
     ngl: int = Field(999, ge=0, description="layers offloaded to the GPU backend")

@@ -14,6 +14,11 @@ need_cmds=(podman runc slirp4netns pasta cmake c++ ninja ccache patch pkg-config
 missing=()
 for c in "${need_cmds[@]}"; do command -v "$c" >/dev/null 2>&1 || missing+=("$c"); done
 [ -e /usr/include/libdrm/drm.h ] || missing+=("libdrm headers")
+# serve --isolation vm: QEMU (with SeaBIOS for its q35 machine) and mke2fs for the root filesystem image;
+# the VM's kernel and busybox are fetched by apirctl itself with `apt-get download`, never installed
+command -v qemu-system-x86_64 >/dev/null 2>&1 || missing+=(qemu-system-x86)
+[ -e /usr/share/seabios/bios-256k.bin ] || [ -e /usr/share/qemu/bios-256k.bin ] || missing+=(seabios)
+command -v mke2fs >/dev/null 2>&1 || missing+=(e2fsprogs)
 # clang with libFuzzer's runtime: the APIR host library's fuzzer (tests/apir/fuzz)
 command -v clang++ >/dev/null 2>&1 && [ -e "$(clang++ -print-file-name=libclang_rt.fuzzer-$(uname -m).a 2>/dev/null)" ] \
   || missing+=("clang with libFuzzer")
@@ -32,11 +37,13 @@ if command -v apt-get >/dev/null 2>&1; then
   vk=(); [ $vulkan -eq 1 ] && vk=(libvulkan-dev glslc spirv-headers mesa-vulkan-drivers)
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq podman runc slirp4netns passt uidmap fuse-overlayfs cmake g++ ninja-build ccache \
-    pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server clang libclang-rt-dev "${vk[@]}" >/dev/null
+    pkg-config patch libdrm-dev iproute2 tmux openssh-client openssh-server clang libclang-rt-dev \
+    qemu-system-x86 seabios e2fsprogs "${vk[@]}" >/dev/null
 elif command -v dnf >/dev/null 2>&1; then
   vk=(); [ $vulkan -eq 1 ] && vk=(vulkan-loader-devel glslc spirv-headers-devel mesa-vulkan-drivers)
   $SUDO dnf install -y -q podman runc slirp4netns passt cmake gcc-c++ ninja-build ccache patch pkgconf-pkg-config \
-    libdrm-devel iproute tmux openssh-clients openssh-server clang compiler-rt "${vk[@]}"
+    libdrm-devel iproute tmux openssh-clients openssh-server clang compiler-rt qemu-system-x86-core seabios-bin \
+    e2fsprogs "${vk[@]}"
 else
   echo "no apt-get or dnf: install podman, runc, slirp4netns, passt (pasta), cmake, a C++ compiler, ninja, ccache, libdrm headers" >&2
   exit 1

@@ -149,6 +149,12 @@ def serve(
         help="Unload a model after this long without requests (30s, 5m, 1h); the next request loads it "
         "again. Default: never.",
     ),
+    isolation: str = typer.Option(
+        None, "--isolation", metavar="KIND",
+        help="container (default) or vm: llama-server of the same image in a QEMU micro-VM that apirctl starts "
+        "(KVM; --memory and --cpus size it). Default: the isolation setting.", show_default=False,
+    ),
+    cpus: int = typer.Option(None, "--cpus", min=1, help="vm isolation: the VM's virtual CPUs (default 2)."),
     default_model: str = typer.Option(
         None, "--default-model", metavar="NAME",
         help="Several models: the one a request that names no model goes to (`apirctl ps` shows it). "
@@ -172,7 +178,7 @@ def serve(
     first = model or ("" if models_dir else config.settings().default_model)
     opts = lib.options(
         first, models=[first, *more] if more else None, models_dir=models_dir, models_max=models_max,
-        idle_unload=idle_unload, router_default=default_model,
+        idle_unload=idle_unload, router_default=default_model, isolation=isolation, cpus=cpus,
         port=port, name=name, transport=transport, image=image, ctx_size=ctx_size, ngl=ngl,
         threads=threads, api_key=api_key, host_ip=host_ip, keep=keep, timeout=timeout, llama_args=llama_args,
         rpc_backends=list(rpc_backend or []), gpu_devices=list(gpu_device or []), via_ssh=via_ssh,

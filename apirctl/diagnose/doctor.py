@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from apirctl import config, gpu, host, models, paths
+from apirctl import config, gpu, host, models, paths, vm
 from apirctl.build import image, llamacpp
 from apirctl.diagnose import sandbox, sysinfo
 from apirctl.errors import ApirctlError
@@ -157,6 +157,23 @@ def _passthrough() -> Check:
     return Check(name="GPU passthrough", status="warn", detail=detail, fix=fix)
 
 
+def _micro_vms() -> Check:
+    """`serve --isolation vm`: QEMU, and /dev/kvm that runs an ordinary guest. Only a failure where
+    the isolation setting is vm; elsewhere a warning (containers do not need it)."""
+    if host.is_macos():
+        return Check(name="micro-VMs", status="skip", detail="Linux only")
+    bad: Status = "fail" if config.settings().isolation == "vm" else "warn"
+    if shutil.which(vm.machines.QEMU) is None:
+        return Check(name="micro-VMs", status=bad, detail=f"{vm.machines.QEMU} is not installed",
+                     fix="run scripts/system-deps.sh (Debian: qemu-system-x86)")
+    problem = vm.kvm_problem()
+    if problem is not None:
+        fix = vm.accel.HINT if "readable" in problem or "absent" in problem else \
+            "VMs run emulated here (slow); use a host whose KVM has hardware virtualization"
+        return Check(name="micro-VMs", status=bad, detail=problem, fix=fix)
+    return Check(name="micro-VMs", status="ok", detail="/dev/kvm runs guests; QEMU found")
+
+
 def _gpu_sharing() -> Check:
     """Several containers on one NVIDIA GPU: each backend is a CUDA process of its own, and without
     MPS the GPU switches between their contexts (docs/linux.md). Advice, never a warning."""
@@ -222,6 +239,7 @@ CHECKS: list[tuple[str, Callable[[], Check], tuple[str, ...]]] = [
     ("host sandbox", _sandbox, ("llama.cpp build",)),
     ("GPU passthrough", _passthrough, ()),
     ("GPU sharing", _gpu_sharing, ()),
+    ("micro-VMs", _micro_vms, ()),
 ]
 
 

@@ -36,6 +36,7 @@ L_ROUTER = "apirctl.router"  # "true": llama-server's router mode, several model
 L_MODELS_DIR = "apirctl.models-dir"  # router: the host directory it lists, when given instead of models
 L_DEFAULT_MODEL = "apirctl.default-model"  # router: the model a request that names none goes to
 L_INPUTS = "apirctl.serve-inputs"  # JSON: the options, model and image it was built from (restart builds it again)
+L_ISOLATION = "apirctl.isolation"  # vm: a QEMU micro-VM (apirctl.vm), not a container; absent: a container
 L_APIR_HOST = "apirctl.apir-host"  # virtgpu on Linux: the id of its own apir-host (apirctl.remoting.apir_hosts)
 # Labels of the upstream Podman Desktop extension and Podman AI Lab.
 L_APIR = "llama-cpp.apir"
@@ -72,6 +73,7 @@ class Server(BaseModel):
     rpc_link: str = ""  # rpc: tcp, unix, or shm (unix upgraded to shared memory, known from the backend)
     rpc_instance: str = ""  # rpc: the backend instance it was started against
     apir_host: str = ""  # virtgpu on Linux: its own apir-host's id
+    isolation: str = "container"  # or vm: a QEMU micro-VM apirctl started (apirctl.vm)
     started: float | None = None  # when its container last started (Unix seconds), where Podman says
     exit_code: int | None = None  # Podman's, for a container that exited
     why: str = ""  # why it does not serve, when apirctl knows: a health problem, or what it exited of
@@ -148,6 +150,7 @@ def from_listed(item: dict[str, Any]) -> Server:
         rpc_link=labels.get(L_RPC_LINK, ""),
         rpc_instance=labels.get(L_RPC_INSTANCE, ""),
         apir_host=labels.get(L_APIR_HOST, ""),
+        isolation=labels.get(L_ISOLATION, "container"),
         started=_started(item),
         exit_code=_exit_code(item),
         router=labels.get(L_ROUTER) == "true",

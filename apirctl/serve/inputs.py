@@ -56,6 +56,8 @@ class ServeOptions(BaseModel):
     models_dir: Path | None = None  # a host directory of GGUFs the router lists (instead of `models`)
     models_max: int | None = None  # router: models loaded at once (0: no limit; default llama-server's 4)
     idle_unload: int | None = None  # seconds without requests after which a model is unloaded (None: never)
+    isolation: str = "container"  # container, or vm: a QEMU micro-VM of the same image (apirctl.vm)
+    cpus: int | None = None  # vm isolation: the VM's virtual CPUs (None: 2)
     router_default: str | None = None  # --default-model: where a request naming no model goes (None: the first)
 
     @property
@@ -69,7 +71,8 @@ class ServeOptions(BaseModel):
 
 #: The options whose default is a setting of `apirctl.config` of the same name: a flag left out (None)
 #: takes the setting's value (config file, environment), a flag given wins.
-SETTING_OPTIONS = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace")
+SETTING_OPTIONS = ("port", "host_ip", "transport", "image", "ctx_size", "ngl", "threads", "rpc_port", "apir_trace",
+                   "isolation")
 
 
 def options(model: str, **flags: Any) -> ServeOptions:

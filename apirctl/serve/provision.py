@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from apirctl import host
+from apirctl import host, vm
 from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
@@ -90,8 +90,24 @@ def uninterrupted() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
 
+ISOLATIONS = ("container", "vm")
+
+
 def local_plan(opts: ServeOptions) -> Plan:
-    """The transport's plan on this host (no --rpc-backend): what `serve` and `--generate` wire."""
+    """The transport's plan on this host (no --rpc-backend): what `serve` and `--generate` wire. A VM
+    (`--isolation vm`) runs on its own CPU: remoting across the VM boundary is not wired yet."""
+    if opts.isolation not in ISOLATIONS:
+        raise ApirctlError(f"--isolation {opts.isolation!r}: one of {', '.join(ISOLATIONS)}")
+    if opts.cpus is not None and opts.isolation != "vm":
+        raise ApirctlError("--cpus sizes a VM", hint="add --isolation vm, or leave --cpus out")
+    if opts.isolation == "vm":
+        if opts.transport not in ("auto", "none"):
+            raise ApirctlError(f"--isolation vm runs llama-server on the VM's CPU, not --transport {opts.transport}",
+                               hint="leave --transport out (remoting into a VM is not built yet)")
+        if opts.router or opts.restart or opts.gpu_devices:
+            raise ApirctlError("--isolation vm serves one model file, without --restart or --gpu-device",
+                               hint="serve several models or a restart policy in a container")
+        return transport.plan("none", ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=[], own_image=False)
     return transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
                           own_image=opts.image is not None)
 
@@ -112,6 +128,8 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
     instance = apir = None
     try:
         if opts.rpc_backends:
+            if opts.isolation == "vm":
+                raise ApirctlError("--isolation vm does not take --rpc-backend yet", hint="serve it in a container")
             _check_remote(opts)
         else:
             plan = local_plan(opts)
@@ -157,7 +175,7 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
 
 def _pick_name(opts: ServeOptions, model_name: str, api: PodmanApi) -> str:
     def exists(candidate: str) -> bool:
-        return api.exists("containers", candidate)
+        return api.exists("containers", candidate) or vm.exists(candidate)
 
     if opts.name:
         if not re.fullmatch(r"[a-zA-Z0-9][a-zA-Z0-9_.-]*", opts.name):

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from apirctl import vm
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
 from apirctl.podman import servers as podman_servers
@@ -114,6 +115,8 @@ def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]: 
     """
     servers = podman_servers.list_servers(all)
     _own_backends(servers)
+    if vm.records():  # micro-VMs (`--isolation vm`): listed from their records, with a container's labels
+        servers = sorted(servers + vm.servers(all), key=_created, reverse=True)
     _own_apir_hosts(servers, all)
     if probe_health:
         for server in servers:
@@ -123,6 +126,10 @@ def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]: 
                     server.models = router_models(server.base)
             server.why = _why(server)
     return servers
+
+
+def _created(server: Server) -> float:
+    return server.created.timestamp() if server.created else 0.0
 
 
 def _why(server: Server) -> str:
@@ -185,6 +192,9 @@ def logs(
     `since` (Unix seconds, with `follow`) starts the stream at a moment instead of a line count.
     """
     server = find_server(name, all=True) if name else find_server(None)
+    if server.isolation == "vm":
+        yield from vm.logs(server.name, tail_lines=tail, follow=follow)
+        return
     api = containers.connect()
     if follow:
         yield from api.follow_logs(server.id, tail=tail, since=since)
@@ -211,7 +221,10 @@ def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002
     stopped = []
     for server in targets:
         with contextlib.suppress(ApirctlError):
-            podman_servers.remove(server, timeout=STOP_TIMEOUT)
+            if server.isolation == "vm":
+                vm.remove(server.name, timeout=STOP_TIMEOUT)  # QEMU, its folder and console log
+            else:
+                podman_servers.remove(server, timeout=STOP_TIMEOUT)
             stopped.append(server.name)
         if server.tunnels and server.name in stopped:
             tunnel.close(server.tunnels)

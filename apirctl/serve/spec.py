@@ -33,6 +33,7 @@ from apirctl.podman.servers import (
     L_GPU,
     L_HOST_IP,
     L_INPUTS,
+    L_ISOLATION,
     L_KIND,
     L_MODEL,
     L_MODELS_DIR,
@@ -127,6 +128,8 @@ def labels_for(opts: ServeOptions, plan: Plan, model_path: Path, model_name: str
         remote[L_RPC_INSTANCE] = plan.rpc_instance
     if plan.apir_host:
         remote[L_APIR_HOST] = plan.apir_host
+    if opts.isolation == "vm":
+        remote[L_ISOLATION] = "vm"
     return {
         **remote,
         L_VERSION: __version__,

@@ -7,20 +7,21 @@ again when its host backend moved).
 from __future__ import annotations
 
 import contextlib
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 
-from apirctl import config
+from apirctl import config, vm
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
 from apirctl.podman.containers import PodmanApi
 from apirctl.podman.servers import L_DEFAULT_MODEL, L_INPUTS, L_TRACKING, RUNNING, STARTING, Server, created_at
 from apirctl.remoting import apir_hosts, backends, rpc_server, transport
 from apirctl.serve import spec
-from apirctl.serve.inputs import ModelSet, ServeOptions, resolve_model, resolve_models, server_url
+from apirctl.serve.inputs import ModelSet, ServeOptions, publish_ip, resolve_model, resolve_models, server_url
 from apirctl.serve.provision import Provisioned, local_plan, provision, uninterrupted
 from apirctl.serve.servers import STOP_TIMEOUT, find_server, health, router_models
 from apirctl.serve.spec import Served
@@ -65,7 +66,7 @@ def start(opts: ServeOptions, progress: ProgressFn | None = None) -> Started:
     `opts.keep`, and what provisioning made for it (SSH tunnels, a backend, an apir-host) is released.
     """
     with provision(opts, progress) as ready:
-        server = _start_container(ready)
+        server = _start_vm(ready) if ready.opts.isolation == "vm" else _start_container(ready)
     return Started(server=server, phases=[Phase(name=n, seconds=s) for n, s in ready.clock.phases],
                    notice=ready.notice)
 
@@ -153,6 +154,69 @@ def _start_container(ready: Provisioned) -> Server:
         apir_host=plan.apir_host, router=router, models_dir=str(opts.models_dir or ""),
         models=router_models(base) if router else {}, default_model=ready.spec.labels.get(L_DEFAULT_MODEL, ""),
     )
+
+
+#: A VM's memory when --memory is not given (MiB), and its CPUs when --cpus is not.
+VM_MEMORY_MB = 2048
+VM_CPUS = 2
+
+
+def _start_vm(ready: Provisioned) -> Server:
+    """Boot the image's llama-server in a micro-VM (`apirctl.vm`), wait for /health; a failed VM is
+    ended and its folder removed (the console's last lines come with the error)."""
+    opts, model, clock = ready.opts, ready.model, ready.clock
+    if isinstance(model, ModelSet) or model.mmproj or len(model.files) > 1:
+        raise ApirctlError("--isolation vm serves a model of one file (no projector, no split parts)",
+                           hint="serve this model in a container")
+    accel = vm.choose(config.settings().vm_accel)
+    ready.notices.append(f"VM on {accel.name}" + ("" if accel.name == "kvm" else f": {accel.why}"))
+    clock.phase("vm image")
+    boot = vm.ensure_boot_files()
+    rootfs = vm.ensure_rootfs(ready.image)
+    argv = (ready.spec.entrypoint or rootfs.entrypoint) + ready.spec.command
+    labels = dict(ready.spec.labels)
+    memory_mb = max(256, (opts.memory or VM_MEMORY_MB << 20) >> 20)
+    record = vm.VmRecord(name=ready.name, id=secrets.token_hex(32), labels=labels, image=ready.image,
+                         port=opts.port, created=time.time(), accel=accel.name, memory_mb=memory_mb,
+                         cpus=opts.cpus or VM_CPUS)
+    clock.phase("vm boot")
+    record = vm.launch(record, boot, rootfs, model.path, argv, rootfs.env, spec.CONTAINER_PORT,
+                       publish_ip(opts.host_ip))
+    try:
+        clock.phase("loading model")
+        base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
+        _wait_vm(record, base, opts.timeout)
+        _check_ours(base, f"{spec.MODELS_DIR}/{model.filename}", opts.port)
+        clock.phase("ready")
+    except BaseException as exc:
+        with uninterrupted():
+            tail = vm.server_tail(record.name, LOG_TAIL_LINES)
+            vm.remove(record.name)
+        if isinstance(exc, ServeFailed):
+            exc.log_tail = exc.log_tail or tail
+            raise
+        if isinstance(exc, ApirctlError):
+            raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
+        raise
+    server = vm.server_of(record)
+    server.health = "ok"
+    return server
+
+
+def _wait_vm(record: vm.VmRecord, base: str, timeout: float) -> None:
+    """Poll /health until ok; fail fast when QEMU ends (the server exited: the VM powers off)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = health(base, timeout=2.0)
+        if state == "ok":
+            return
+        if not vm.alive(record):
+            raise ServeFailed("the VM ended before its server was ready",
+                              hint="its console's last lines are above; fix the model or flags and retry")
+        if time.monotonic() > deadline:
+            raise ServeFailed(f"the server in the VM was not ready after {timeout:g} s (health: {state})",
+                              hint="raise the limit with --timeout or APIRCTL_HEALTH_TIMEOUT")
+        time.sleep(0.05)
 
 
 def _remove_failed(api: PodmanApi, container_id: str, patience: float = 20.0) -> None:
@@ -275,6 +339,9 @@ def restart(name: str, timeout: float | None = None, progress: ProgressFn | None
     server = find_server(name, all=True)
     if not server.managed:
         raise ApirctlError(f"{name} was not started by apirctl", hint="restart it where it was started")
+    if server.isolation == "vm":
+        raise ApirctlError(f"{server.name} is a VM: restart is for containers",
+                           hint=f"`apirctl stop {server.name}`, then serve it again with --isolation vm")
     limit = timeout if timeout is not None else config.settings().health_timeout
     record = rpc_server.read_record() if server.transport == "rpc" and server.rpc_link == "tcp" else None
     if record is not None and server.rpc_instance and server.rpc_instance != record.instance \

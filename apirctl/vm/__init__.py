@@ -1,0 +1,17 @@
+"""Micro-VM isolation: `serve --isolation vm` runs the inference image's llama-server in a QEMU VM.
+
+`boot` (the distribution's kernel and an initramfs of its own, from Debian's packages into the
+cache), `rootfs` (the image's files as a cached read-only ext4 image), `accel` (KVM where it runs
+ordinary guests, else emulation, with the reason; doctor's check), `machines` (start, list, logs,
+stop: one QEMU process and one runtime folder per VM, its record carrying a container's labels).
+"""
+
+from __future__ import annotations
+
+from apirctl.vm.accel import Accel, choose, kvm_problem
+from apirctl.vm.boot import BootFiles, ensure_boot_files
+from apirctl.vm.machines import VmRecord, alive, exists, launch, logs, records, remove, server_of, server_tail, servers
+from apirctl.vm.rootfs import RootFs, ensure_rootfs
+
+__all__ = ["Accel", "BootFiles", "RootFs", "VmRecord", "choose", "ensure_boot_files", "ensure_rootfs", "exists",
+           "kvm_problem", "launch", "alive", "server_of", "server_tail", "logs", "records", "remove", "servers"]

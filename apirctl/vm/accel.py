@@ -1,0 +1,53 @@
+"""Which accelerator a VM runs on, decided once per start, with the reason.
+
+KVM when /dev/kvm opens read-write and the host's KVM runs ordinary guest kernels. A host whose
+KVM is PVM (the `kvm_pvm` module: KVM without hardware virtualization, as some cloud sandboxes
+expose) runs only PVM guest kernels: Debian's kernel hangs there before its first line. Such a
+host, and one without /dev/kvm, gets QEMU's emulation (TCG) when the `vm_accel` setting allows
+it (auto), which is slow but the same VM; `vm_accel = "kvm"` refuses instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from apirctl.errors import ApirctlError
+
+KVM = Path("/dev/kvm")
+MODULES = Path("/sys/module")
+HINT = ("give this user access to /dev/kvm: `sudo usermod -aG kvm $USER` and log in again "
+        "(or load KVM: `sudo modprobe kvm_intel` / `kvm_amd`)")
+
+
+@dataclass(frozen=True)
+class Accel:
+    """The accelerator (kvm or tcg) and why, in one line."""
+
+    name: str
+    why: str
+
+
+def kvm_problem(device: Path = KVM, modules: Path = MODULES) -> str | None:
+    """Why this host cannot run an ordinary guest on KVM, or None when it can."""
+    if not device.exists():
+        return f"{device} is absent (KVM is not loaded, or the host has no hardware virtualization)"
+    if not os.access(device, os.R_OK | os.W_OK):
+        return f"{device} is not readable and writable by this user"
+    hardware = any((modules / name).exists() for name in ("kvm_intel", "kvm_amd"))
+    if (modules / "kvm_pvm").exists() and not hardware:
+        return "this host's KVM is PVM (kvm_pvm), which boots only PVM guest kernels, not the distribution's"
+    return None
+
+
+def choose(setting: str = "auto") -> Accel:
+    """kvm where it works; else tcg (auto) or a one-line refusal (kvm)."""
+    problem = kvm_problem()
+    if setting == "tcg":
+        return Accel("tcg", "vm_accel is tcg")
+    if problem is None:
+        return Accel("kvm", "/dev/kvm")
+    if setting == "kvm":
+        raise ApirctlError(f"cannot run a VM on KVM: {problem}", hint=HINT)
+    return Accel("tcg", f"emulated (TCG, slow): {problem}")

@@ -1,0 +1,246 @@
+"""The micro-VMs `serve --isolation vm` runs: started, listed, logged and stopped like containers.
+
+Each VM is one QEMU process with a folder of its own under the runtime directory (`vms/NAME`:
+its record, QEMU's pid file and the console log, which holds llama-server's output). The record
+carries the same labels a server's container would, so `ps` lists a VM with `podman.servers`'
+own reading of labels. `stop` ends QEMU and removes the folder; a VM whose QEMU died shows as
+exited (its console log is still there for `logs`) until `stop` removes it.
+
+The disks are the cached root filesystem (`rootfs`) and the model file itself, both read-only;
+the server's port is forwarded from 127.0.0.1 only by QEMU's user network, which is restricted
+(the guest reaches nothing outside). The kernel's command line carries llama-server's arguments
+to the initramfs's init (`boot`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from apirctl.errors import ApirctlError, tail
+from apirctl.paths import dirs, private_dir
+from apirctl.podman.servers import Server, from_listed
+from apirctl.remoting import supervised
+from apirctl.vm import accel
+from apirctl.vm.boot import BootFiles
+from apirctl.vm.rootfs import RootFs
+
+QEMU = "qemu-system-x86_64"
+CONSOLE = "console.log"
+PIDFILE = "qemu.pid"
+RECORD = "vm.json"
+STOP_TIMEOUT = 10.0
+#: Characters the kernel's command line cannot carry inside one argument.
+_UNSAFE = set('"\n\0')
+
+
+class VmRecord(BaseModel):
+    """What `ps` needs of a VM: its labels (a container's), port, QEMU's pid and how it was started."""
+
+    name: str
+    id: str
+    labels: dict[str, str]
+    image: str
+    port: int
+    pid: int = 0
+    created: float
+    accel: str
+    memory_mb: int
+    cpus: int
+    command: list[str] = Field(default_factory=list)
+
+
+def root() -> Path:
+    return dirs().runtime / "vms"
+
+
+def folder(name: str) -> Path:
+    return root() / name
+
+
+def exists(name: str) -> bool:
+    return (folder(name) / RECORD).is_file()
+
+
+def _read(name: str) -> VmRecord | None:
+    try:
+        return VmRecord.model_validate_json((folder(name) / RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write(record: VmRecord) -> None:
+    path = folder(record.name) / RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(record.model_dump_json())
+    tmp.replace(path)
+
+
+def records() -> list[VmRecord]:
+    base = root()
+    if not base.is_dir():
+        return []
+    found = [_read(entry.name) for entry in sorted(base.iterdir())]
+    return [r for r in found if r is not None]
+
+
+def alive(record: VmRecord) -> bool:
+    """QEMU of this VM still runs (a recycled pid is not it: its command names the VM's folder)."""
+    if record.pid <= 0 or not supervised.is_process(record.pid, QEMU):
+        return False
+    with contextlib.suppress(OSError):
+        return str(folder(record.name)) in Path(f"/proc/{record.pid}/cmdline").read_bytes().decode(errors="replace")
+    return False
+
+
+def server_of(record: VmRecord) -> Server:
+    running = alive(record)
+    item = {"Labels": record.labels, "Names": [record.name], "Id": record.id, "State": "running" if running
+            else "exited", "Created": record.created, "Image": record.image, "StartedAt": record.created}
+    return from_listed(item)
+
+
+def servers(all: bool = False) -> list[Server]:  # noqa: A002
+    """The VMs as servers, newest first; `all` adds those whose QEMU has ended."""
+    found = [server_of(r) for r in records()]
+    return [s for s in found if all or s.running]
+
+
+# --- starting -------------------------------------------------------------------------------------
+
+
+def kernel_command_line(model_file: str, argv: list[str], env: dict[str, str]) -> str:
+    """console, panic → exit, and init's inputs: the model's name and the image's environment (the
+    kernel hands init each KEY=VALUE it does not know) and, after `--`, the server's argv (each quoted)."""
+    for key, value in env.items():
+        if not key.replace("_", "").isalnum() or set(value) & (_UNSAFE | {" "}):
+            raise ApirctlError(f"the image's environment variable {key} cannot be passed into a VM",
+                               hint="run this image in a container")
+    for arg in [model_file, *argv]:
+        if _UNSAFE & set(arg):
+            raise ApirctlError(f"the argument {arg!r} cannot be passed into a VM (it holds a quote or a newline)",
+                               hint="leave that character out")
+    quoted = " ".join(f'"{a}"' if (" " in a or not a) else a for a in argv)
+    variables = " ".join(f"{k}={v}" for k, v in env.items())
+    return f"console=ttyS0 quiet panic=-1 {variables} APIRCTL_MODEL={model_file} -- {quoted}"
+
+
+def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, cmdline: str,
+                 guest_port: int, host_ip: str) -> list[str]:
+    where = folder(record.name)
+    machine = ["-M", "q35", "-accel", "kvm", "-cpu", "host,-arch-capabilities"] if record.accel == "kvm" else \
+        ["-M", "q35", "-accel", "tcg,thread=multi", "-cpu", "max"]
+    return [
+        QEMU, *machine, "-m", str(record.memory_mb), "-smp", str(record.cpus),
+        "-name", f"apirctl-{record.name}", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-kernel", str(boot.kernel), "-initrd", str(boot.initrd), "-append", cmdline,
+        "-serial", f"file:{where / CONSOLE}",
+        "-drive", f"id=root,file={rootfs.path},format=raw,if=none,readonly=on",
+        "-device", "virtio-blk-pci,drive=root",
+        "-drive", f"id=model,file={model},format=raw,if=none,readonly=on",
+        "-device", "virtio-blk-pci,drive=model",
+        "-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:{host_ip}:{record.port}-:{guest_port}",
+        "-device", "virtio-net-pci,netdev=net0",
+        "-daemonize", "-pidfile", str(where / PIDFILE),
+    ]
+
+
+def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv: list[str], env: dict[str, str],
+           guest_port: int, host_ip: str) -> VmRecord:
+    """Start QEMU for `record` (its folder made here); returns the record with QEMU's pid. QEMU's own
+    refusal (no /dev/kvm access, a taken port) is one line; the folder is removed then."""
+    base = private_dir(root())
+    where = base / record.name
+    try:
+        where.mkdir(mode=0o700)
+    except FileExistsError as exc:
+        raise ApirctlError(f"a VM named {record.name} exists already",
+                           hint=f"stop it with `apirctl stop {record.name}` or pick another --name") from exc
+    try:
+        record.command = qemu_command(record, boot, rootfs, model, kernel_command_line(model.name, argv, env),
+                                      guest_port, host_ip)
+        _write(record)
+        try:
+            done = subprocess.run(record.command, capture_output=True, text=True, check=False, timeout=60)
+        except FileNotFoundError as exc:
+            raise ApirctlError(f"{QEMU} is not installed", hint="run scripts/system-deps.sh") from exc
+        if done.returncode != 0:
+            raise ApirctlError(f"QEMU did not start the VM: {tail(done.stderr, telling=('rror', 'annot', 'denied'))}",
+                               hint=accel.HINT if "kvm" in done.stderr.lower() else "see the line above")
+        record.pid = int((where / PIDFILE).read_text().strip())
+        _write(record)
+        return record
+    except BaseException:
+        remove(record.name)
+        raise
+
+
+# --- logs and stop --------------------------------------------------------------------------------
+
+
+def console_path(name: str) -> Path:
+    return folder(name) / CONSOLE
+
+
+def logs(name: str, tail_lines: int | None = None, follow: bool = False) -> Iterator[str]:
+    """The VM's console: the kernel's and init's lines, then llama-server's output."""
+    path = console_path(name)
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    yield from lines[-tail_lines:] if tail_lines else lines
+    if not follow:
+        return
+    record = _read(name)
+    with contextlib.suppress(OSError), path.open(errors="replace") as stream:
+        stream.seek(0, os.SEEK_END)
+        while True:
+            line = stream.readline()
+            if line:
+                yield line.rstrip("\n")
+                continue
+            if record is None or not alive(record):
+                yield from (rest.rstrip("\n") for rest in stream.readlines())
+                return
+            time.sleep(0.1)
+
+
+_KERNEL_LINE = re.compile(r"^\[\s*\d+\.\d+\]")
+
+
+def server_tail(name: str, lines: int) -> str:
+    """The console's last lines from init and llama-server: the kernel's own (the panic that follows
+    the server's exit, a stack trace) left out, as they say nothing about why the server ended."""
+    kept = [line for line in logs(name) if not _KERNEL_LINE.match(line)]
+    return "\n".join(kept[-lines:])
+
+
+def remove(name: str, timeout: float = STOP_TIMEOUT) -> bool:
+    """End the VM's QEMU (SIGTERM, then SIGKILL after `timeout`) and remove its folder; False when
+    there was no such VM."""
+    where = folder(name)
+    if not where.is_dir():
+        return False
+    record = _read(name)
+    if record is not None and alive(record):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(record.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while alive(record):
+            if time.monotonic() > deadline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(record.pid, signal.SIGKILL)
+                deadline = time.monotonic() + timeout
+            time.sleep(0.02)
+    shutil.rmtree(where, ignore_errors=True)
+    return True

@@ -1,0 +1,142 @@
+"""The micro-VM's parts, real: the initramfs made from Debian's kernel and busybox packages, the root
+filesystem made from the inference image, the accelerator decision, and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apirctl.errors import ApirctlError
+from apirctl.vm import accel, boot, machines, rootfs
+
+needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="the VM's kernel comes from apt (Debian)")
+
+
+def _cpio_names(data: bytes) -> list[str]:
+    names, at = [], 0
+    while True:
+        header = data[at:at + 110]
+        size, name_size = int(header[54:62], 16), int(header[94:102], 16)
+        name = data[at + 110:at + 110 + name_size - 1].decode()
+        if name == "TRAILER!!!":
+            return names
+        names.append(name)
+        at += 110 + name_size
+        at += -at % 4
+        at += size
+        at += -at % 4
+
+
+@needs_apt
+def test_the_initramfs_carries_init_busybox_and_each_module_after_its_dependencies() -> None:
+    files = boot.ensure_boot_files()
+    names = _cpio_names(files.initrd.read_bytes())
+    assert {"init", "bin/busybox", "modules.order"} <= set(names)
+    order = [n.removeprefix("modules/").removesuffix(".ko") for n in names if n.startswith("modules/")]
+    for module, before in (("virtio_pci", "virtio_ring"), ("virtio_blk", "virtio"), ("ext4", "crc32c_generic"),
+                           ("ext4", "jbd2"), ("virtio_net", "net_failover")):
+        assert order.index(before) < order.index(module), (before, module)
+    assert files.kernel.stat().st_size > 1 << 20
+    assert boot.ensure_boot_files() == files  # cached: the same files again
+
+
+def test_a_dependency_missing_from_the_kernel_is_one_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a.ko").write_bytes(b"\0license=GPL\0depends=nosuchmodule\0")
+    with pytest.raises(ApirctlError, match="no module nosuchmodule"):
+        boot.module_order(tmp_path, ("a",))
+
+
+@pytest.mark.skipif(shutil.which("debugfs") is None, reason="debugfs (e2fsprogs) reads the image")
+def test_the_root_filesystem_is_the_image_with_the_mount_points_init_needs(podman: str, llama_image: str) -> None:
+    made = rootfs.ensure_rootfs(llama_image)
+    listing = subprocess.run(["debugfs", "-R", "ls -p /", str(made.path)], capture_output=True, text=True).stdout
+    top = {line.split("/")[5] for line in listing.splitlines() if line.count("/") >= 6}
+    assert set(rootfs.MOUNT_POINTS) <= top
+    found = subprocess.run(["debugfs", "-R", "stat /app/bin/llama-server", str(made.path)], capture_output=True,
+                           text=True)
+    assert "Type: regular" in found.stdout
+    assert made.entrypoint == ["/app/bin/llama-server"] and made.env["LD_LIBRARY_PATH"] == "/app/bin"
+    again = rootfs.ensure_rootfs(llama_image)
+    assert again.path == made.path and again.path.stat().st_mtime == made.path.stat().st_mtime  # cached by id
+
+
+def test_the_accelerator_is_kvm_only_where_it_runs_ordinary_guests(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    device, modules = tmp_path / "kvm", tmp_path / "module"
+    modules.mkdir()
+    assert "absent" in (accel.kvm_problem(device, modules) or "")
+    device.write_bytes(b"")
+    device.chmod(0o600)
+    (modules / "kvm_pvm").mkdir()
+    assert "PVM" in (accel.kvm_problem(device, modules) or "")
+    (modules / "kvm_amd").mkdir()
+    assert accel.kvm_problem(device, modules) is None
+    monkeypatch.setattr(accel, "kvm_problem", lambda: "this host's KVM is PVM")
+    assert accel.choose("auto").name == "tcg" and "PVM" in accel.choose("auto").why
+    with pytest.raises(ApirctlError, match="cannot run a VM on KVM") as refused:
+        accel.choose("kvm")
+    assert refused.value.hint and "kvm" in refused.value.hint
+
+
+def test_the_kernel_command_line_refuses_what_it_cannot_carry() -> None:
+    line = machines.kernel_command_line("m.gguf", ["/app/bin/llama-server", "--alias", "a b"], {"PATH": "/app/bin"})
+    assert line.endswith('-- /app/bin/llama-server --alias "a b"') and " PATH=/app/bin " in line
+    with pytest.raises(ApirctlError, match="cannot be passed into a VM"):
+        machines.kernel_command_line("m.gguf", ["--api-key", 'a"b'], {})
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "apirctl", *args], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ))
+
+
+def test_serve_in_a_vm_refuses_remoting_in_one_line(podman: str, demo_model: Path) -> None:
+    done = _cli("serve", str(demo_model), "--isolation", "vm", "--transport", "rpc")
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "--isolation vm runs llama-server on the VM's CPU, not --transport rpc" in done.stderr
+    sized = _cli("serve", str(demo_model), "--cpus", "2")
+    assert sized.returncode != 0 and "--cpus sizes a VM" in sized.stderr and "Traceback" not in sized.stderr
+    bad = _cli("serve", str(demo_model), "--isolation", "jail")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr and "'container' or 'vm'" in bad.stderr
+
+
+def test_doctor_says_whether_micro_vms_can_use_kvm() -> None:
+    done = _cli("doctor")
+    line = next(line for line in done.stdout.splitlines() if "micro-VMs" in line)
+    problem = accel.kvm_problem()
+    if shutil.which(machines.QEMU) is None:
+        assert "not installed" in line
+    elif problem is None:
+        assert line.startswith("✔")
+    else:
+        assert problem in line and "Traceback" not in done.stderr
+
+
+def test_a_vm_whose_qemu_is_gone_is_listed_exited_logged_refused_a_restart_and_removed_by_stop(
+        podman: str) -> None:
+    """The listing, logs, restart and stop paths of a VM, on a record whose QEMU has ended (as after
+    a kill): no boot needed, so this runs on every host."""
+    from apirctl.podman.servers import L_API, L_ISOLATION, L_MODEL, L_TRANSPORT, L_VERSION
+
+    name = "vm-gone-test"
+    folder = machines.root() / name
+    folder.mkdir(parents=True, mode=0o700)
+    (folder / machines.CONSOLE).write_text("apirctl-init: starting /app/bin/llama-server\nllama-server said bye\n")
+    labels = {L_VERSION: "0", L_MODEL: "demo", L_API: "http://127.0.0.1:1/v1", L_ISOLATION: "vm", L_TRANSPORT: "none"}
+    machines._write(machines.VmRecord(name=name, id="ab" * 32, labels=labels, image="img", port=1, pid=2 ** 22 + 7,
+                                      created=1.0e9, accel="kvm", memory_mb=512, cpus=1))
+    listed = {s["name"]: s for s in json.loads(_cli("ps", "-a", "--json").stdout)}
+    assert listed[name]["isolation"] == "vm" and listed[name]["state"] == "exited"
+    assert name not in {s["name"] for s in json.loads(_cli("ps", "--json").stdout)}
+    assert "llama-server said bye" in _cli("logs", name).stdout
+    refused = _cli("restart", name)
+    assert refused.returncode != 0 and "is a VM: restart is for containers" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert _cli("stop", name).returncode == 0
+    assert not folder.exists()
