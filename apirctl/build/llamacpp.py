@@ -266,8 +266,17 @@ def source_dir() -> Path:
     if shutil.which("patch") is None:
         raise ApirctlError("the patch tool is not installed", exit_code=MISSING,
                            hint="install it (Debian: apt-get install patch), or run scripts/system-deps.sh")
-    sdist = fetch_sdist()
     ensure(root.parent)
+    # one unpacker at a time: a second one would replace the tree under a build that already uses it
+    with _exclusive(root.parent / f".{root.name}.lock"):
+        if (root / ".complete").exists():
+            return tree
+        _unpack(root)
+    return tree
+
+
+def _unpack(root: Path) -> None:
+    sdist = fetch_sdist()
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".unpack-"))
     try:
         with tarfile.open(sdist) as tar:
@@ -287,7 +296,6 @@ def source_dir() -> Path:
         staged.rename(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return tree
 
 
 # --- builds ---------------------------------------------------------------------------------------
