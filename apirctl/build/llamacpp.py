@@ -32,7 +32,7 @@ from typing import Literal, TextIO
 from pydantic import BaseModel
 
 from apirctl import config, host
-from apirctl.build import ccache, vulkan
+from apirctl.build import ccache, shader_cache, vulkan
 from apirctl.digest import sha256_file
 from apirctl.errors import MISSING, ApirctlError, tail
 from apirctl.paths import dirs, ensure, package_data
@@ -483,6 +483,8 @@ def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress:
     # Configured through a link next to the binary directory: the same relative paths in every build,
     # so ccache's objects serve another patch digest or option set (only the changed files compile).
     src = ccache.link_source(source_dir(), root)
+    if options.backend == "vulkan":  # its shaders through a cache of their own: ccache does not run glslc
+        extra_args += shader_cache.cmake_args(src / "ggml/src/ggml-vulkan/vulkan-shaders", root, dirs().cache)
     build_dir = root / "cmake"
     (root / _MANIFEST).unlink(missing_ok=True)
     _forget_other_source(build_dir, src)
