@@ -9,9 +9,22 @@ cd "$(dirname "$0")/.."
 step() { local start=$SECONDS; "$@"; echo "[time] $(basename "$1") ${*:2}: $((SECONDS - start)) s"; }
 step bash scripts/system-deps.sh --vulkan  # with what the Vulkan image test builds and runs on
 [ -x .venv/bin/python ] || python3 -m venv .venv
-step .venv/bin/pip install -q -e '.[test,plot,dev]'  # dev: tests/test_quality.py runs ruff and mypy
+# dev: tests/test_quality.py runs ruff and mypy. The install is editable: done again only when
+# pyproject.toml changed since the last one (a second run of the same checkout skips pip's minutes).
+stamp=.venv/.installed-pyproject
+if [ "$(cat "$stamp" 2>/dev/null)" != "$(sha256sum pyproject.toml)" ]; then
+  step .venv/bin/pip install -q -e '.[test,plot,dev]'
+  sha256sum pyproject.toml > "$stamp"
+else
+  echo "[time] pip install: skipped (pyproject.toml unchanged since this venv's install)"
+fi
+# Several pytest processes (pytest-xdist): most of the suite's time is waiting on containers, servers
+# and model loads, so 3 workers keep 2 cores busy. A module's tests stay in one worker, in order
+# (tests/conftest.py); builds are locked, so each is made once. APIRCTL_TEST_WORKERS=0: one process.
+workers="${APIRCTL_TEST_WORKERS:-3}"
+parallel=(); [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup)
 start=$SECONDS
 rc=0
-.venv/bin/pytest -q "$@" || rc=$?
+.venv/bin/pytest -q "${parallel[@]}" "$@" || rc=$?
 echo "[time] pytest: $((SECONDS - start)) s"
 exit $rc

@@ -123,7 +123,7 @@ def llama_build():  # type: ignore[no-untyped-def]
     built from the pinned source (minutes on 2 cores)."""
     from tests.support import native_builds
 
-    with shared_env():
+    with shared_env(), native_builds.locked("llama-host-build"):
         return native_builds.host_build()
 
 
@@ -132,7 +132,7 @@ def container_build(llama_build):  # type: ignore[no-untyped-def]
     from apirctl.build import llamacpp, provision
     from tests.support import native_builds
 
-    with shared_env():
+    with shared_env(), native_builds.locked("llama-container-build"):
         found = llamacpp.container_build() or native_builds.from_user_cache(llamacpp.container_options())
         if found is not None:
             return found
@@ -144,8 +144,9 @@ def container_build(llama_build):  # type: ignore[no-untyped-def]
 def demo_model() -> Path:
     """The real demo model (SmolLM2-135M-Instruct Q4_1, from a wheel on the package index)."""
     from apirctl import models
+    from tests.support import native_builds
 
-    with shared_env():
+    with shared_env(), native_builds.locked("demo-model"):  # a second pull at once is refused
         return models.resolve("smollm2", pull=True).path
 
 
@@ -153,8 +154,9 @@ def demo_model() -> Path:
 def llama_image(container_build) -> str:  # type: ignore[no-untyped-def]
     """The local inference image, built with podman from the container build."""
     from apirctl.build import image
+    from tests.support import native_builds
 
-    with shared_env():
+    with shared_env(), native_builds.locked("llama-image"):
         return image.ensure(container_build)
 
 
@@ -186,12 +188,42 @@ def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return podman_url
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `--dist loadgroup` (scripts/test.sh) the tests of a module run in one worker,
+    in order, as in a serial run: its module fixtures (servers, builds) are made once. A test marked
+    `xdist_group(name)` runs in that group instead, beside the others of that name."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
+_WORKER_TIMES: list[tuple[str, float, str]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """In a pytest-xdist worker: hand the builds it timed to the controller, which prints them."""
+    import sys
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["native_builds"] = list(getattr(sys.modules.get("tests.support.native_builds"), "TIMES", []))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's controller: a worker ended; keep the builds it timed."""
+    _WORKER_TIMES.extend(tuple(t) for t in getattr(node, "workeroutput", {}).get("native_builds", []))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """The wall time of each build the session made or reused (CI's budget: docs/testing.md)."""
+    """The wall time of each build the session (or its workers) made or reused (CI's budget:
+    docs/testing.md)."""
     import sys
 
     support = sys.modules.get("tests.support.native_builds")
-    times = getattr(support, "TIMES", [])
+    times = [*getattr(support, "TIMES", []), *_WORKER_TIMES]
     if times:
         terminalreporter.write_sep("=", "native builds")
         for what, seconds, how in times:

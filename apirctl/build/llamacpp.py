@@ -32,7 +32,7 @@ from typing import Literal, TextIO
 from pydantic import BaseModel
 
 from apirctl import config, host
-from apirctl.build import ccache, vulkan
+from apirctl.build import ccache, shader_cache, vulkan
 from apirctl.digest import sha256_file
 from apirctl.errors import MISSING, ApirctlError, tail
 from apirctl.paths import dirs, ensure, package_data
@@ -266,8 +266,17 @@ def source_dir() -> Path:
     if shutil.which("patch") is None:
         raise ApirctlError("the patch tool is not installed", exit_code=MISSING,
                            hint="install it (Debian: apt-get install patch), or run scripts/system-deps.sh")
-    sdist = fetch_sdist()
     ensure(root.parent)
+    # one unpacker at a time: a second one would replace the tree under a build that already uses it
+    with _exclusive(root.parent / f".{root.name}.lock"):
+        if (root / ".complete").exists():
+            return tree
+        _unpack(root)
+    return tree
+
+
+def _unpack(root: Path) -> None:
+    sdist = fetch_sdist()
     tmp = Path(tempfile.mkdtemp(dir=root.parent, prefix=".unpack-"))
     try:
         with tarfile.open(sdist) as tar:
@@ -287,7 +296,6 @@ def source_dir() -> Path:
         staged.rename(root)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return tree
 
 
 # --- builds ---------------------------------------------------------------------------------------
@@ -475,6 +483,8 @@ def _build_locked(root: Path, options: BuildOptions, jobs: int | None, progress:
     # Configured through a link next to the binary directory: the same relative paths in every build,
     # so ccache's objects serve another patch digest or option set (only the changed files compile).
     src = ccache.link_source(source_dir(), root)
+    if options.backend == "vulkan":  # its shaders through a cache of their own: ccache does not run glslc
+        extra_args += shader_cache.cmake_args(src / "ggml/src/ggml-vulkan/vulkan-shaders", root, dirs().cache)
     build_dir = root / "cmake"
     (root / _MANIFEST).unlink(missing_ok=True)
     _forget_other_source(build_dir, src)

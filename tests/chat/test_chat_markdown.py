@@ -126,12 +126,15 @@ def test_a_long_answer_is_in_the_scrollback_once_rendered(
 
 
 def test_plain_flag_shows_the_text_as_sent(scripted: Callable[..., FakeChatServer], tmp_path: Path) -> None:
+    """The answer appears as the server sent it, Markdown marks and all. Waits for the answer itself
+    (not for the next prompt), and says what the server received when it does not come."""
     server = scripted(ANSWER)
     pane = chat_pane(tmp_path, server.url, "--plain")
     try:
         pane.line("How do I double a number?")
+        pane.wait_text(ANSWER.rstrip("\n"), context=lambda: f"the server received: {server.requests}")
+        assert [r["messages"][-1]["content"] for r in server.requests] == ["How do I double a number?"]
         pane.wait_prompt(2)
-        assert ANSWER.rstrip("\n") in pane.scrollback()
         pane.line("/exit")
         assert pane.exit_status() == 0
     finally:

@@ -19,6 +19,19 @@ def peer(request: pytest.FixtureRequest) -> Iterator[Peer]:
     started.stop()
 
 
+def test_a_stopped_peer_listens_no_more() -> None:
+    """An endless peer, once stopped, neither streams nor takes a later connection to its port: one
+    left listening once streamed x's into a chat test's terminal."""
+    peer = Peer("endless").start()
+    port = int(peer.url.split(":")[2].split("/")[0])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        peer.stop()
+    with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", port), timeout=10):
+        pass
+
+
 @pytest.mark.parametrize("peer", ["silent"], indirect=True)
 def test_a_server_that_accepts_and_never_answers(peer: Peer) -> None:
     out = sweep("chat", "--url", peer.url, "--prompt", "hi", "--first-byte-timeout", "1")

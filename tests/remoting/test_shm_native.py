@@ -238,14 +238,15 @@ def build_rpc_server(name: str, options: list[str]) -> Path:
         src = llamacpp.source_dir()
         build_dir = SHARED_CACHE / name / llamacpp.patches_digest()[:16]
     exe = build_dir / "cmake" / "bin" / "ggml-rpc-server"
-    if not exe.exists():
-        args = ["-DCMAKE_BUILD_TYPE=Debug", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
-                "-DGGML_RPC=ON", "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
-                "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
-        build_dir.mkdir(parents=True, exist_ok=True)
-        native_builds.cmake_build(src, build_dir, args, ("ggml-rpc-server",), f"{name} (Debug, static)",
-                                  timeout=1200)
+    with native_builds.locked(name):  # test_shm_memfd.py builds the sanitized one too, maybe at once
+        if not exe.exists():
+            args = ["-DCMAKE_BUILD_TYPE=Debug", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=OFF", "-DGGML_OPENMP=OFF",
+                    "-DGGML_RPC=ON", "-DLLAMA_FATAL_WARNINGS=ON", "-DLLAMA_BUILD_TESTS=OFF",
+                    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_OPENSSL=OFF",
+                    "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", *options]
+            build_dir.mkdir(parents=True, exist_ok=True)
+            native_builds.cmake_build(src, build_dir, args, ("ggml-rpc-server",), f"{name} (Debug, static)",
+                                      timeout=1200)
     return exe
 
 

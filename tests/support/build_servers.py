@@ -77,9 +77,11 @@ def backend_ops_tester(build: llamacpp.Build) -> Path:
     with shared_env():
         src = llamacpp.source_dir()
     exe = SHARED_CACHE / "test-backend-ops" / build.identity / "test-backend-ops"
-    if exe.exists():
-        return exe
-    exe.parent.mkdir(parents=True, exist_ok=True)
-    return native_builds.compile_program(
-        compiler, ["-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}"], [src / "tests/test-backend-ops.cpp"],
-        exe, [f"-L{build.bin_dir}", f"-Wl,-rpath,{build.bin_dir}", "-lggml", "-lggml-base"], "test-backend-ops")
+    with native_builds.locked("test-backend-ops"):
+        if exe.exists():
+            return exe
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        return native_builds.compile_program(
+            compiler, ["-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}"],
+            [src / "tests/test-backend-ops.cpp"], exe,
+            [f"-L{build.bin_dir}", f"-Wl,-rpath,{build.bin_dir}", "-lggml", "-lggml-base"], "test-backend-ops")

@@ -198,6 +198,18 @@ class Tmux:
                 pytest.fail(f"{pattern!r} never appeared; the pane shows:\n{self.scrollback()}{extra}")
             time.sleep(0.05)
 
+    def wait_text(self, text: str, timeout: float = 180.0, context: Callable[[], str] | None = None) -> str:
+        """Poll until the scrollback (wrapped lines joined) holds `text`; return the scrollback."""
+        deadline = time.monotonic() + timeout
+        while True:
+            shown = self.scrollback()
+            if text in shown:
+                return shown
+            if time.monotonic() > deadline:
+                extra = f"\n{context()}" if context else ""
+                pytest.fail(f"{text!r} never appeared; the pane shows:\n{shown}{extra}")
+            time.sleep(0.05)
+
     def wait_prompt(self, count: int, timeout: float = 180.0) -> str:
         """Wait until the scrollback holds `count` prompts, the last one empty (the session waits for input)."""
         deadline = time.monotonic() + timeout

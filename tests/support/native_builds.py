@@ -11,6 +11,7 @@ cache is only read.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import shutil
 import subprocess
@@ -24,6 +25,20 @@ from tests.conftest import SHARED_CACHE, USER_CACHE
 
 #: (what, seconds, how) of each build this session made or reused, in order.
 TIMES: list[tuple[str, float, str]] = []
+
+
+@contextlib.contextmanager
+def locked(name: str) -> Iterator[None]:
+    """One maker at a time of a thing the test cache shares, across processes: pytest-xdist's workers
+    and other suites on this machine. Check whether it exists inside the lock, then make it."""
+    lock = SHARED_CACHE / "locks" / f"{name}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -7,7 +7,9 @@ misbehaviour is exact: `http.server` would finish what it started.
 - `cut`: the same, then closes the connection without the stream's end;
 - `endless`: streams a piece every 50 ms until the client hangs up (`hung_up` is set then).
 
-`requests` counts the requests that arrived.
+`requests` counts the requests that arrived. `stop` shuts the listener down before closing it: a
+socket closed while another thread waits in its accept() stays listening in the kernel (Linux), held
+by no descriptor, and would take the next connection to its port and stream `endless`'s x's into it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class Peer:
     events: int = 3
     requests: int = 0
     hung_up: threading.Event = field(default_factory=threading.Event)
+    stopped: threading.Event = field(default_factory=threading.Event)
     _sock: socket.socket | None = None
     _conns: list[socket.socket] = field(default_factory=list)
 
@@ -75,9 +78,10 @@ class Peer:
                 return  # the socket stays open in `_conns`
             conn.sendall(HEAD)
             if self.behaviour == "endless":
-                while True:
+                while not self.stopped.is_set():
                     conn.sendall(_event("x"))
                     time.sleep(0.05)
+                return
             for number in range(self.events):
                 conn.sendall(_event(f"piece{number} "))
             if self.behaviour == "cut":
@@ -87,6 +91,9 @@ class Peer:
             self.hung_up.set()
 
     def stop(self) -> None:
+        self.stopped.set()
         for conn in [*self._conns, *([self._sock] if self._sock else [])]:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in accept() or recv() on it
             with contextlib.suppress(OSError):
                 conn.close()
