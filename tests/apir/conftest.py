@@ -112,11 +112,13 @@ def sanitized_ggml() -> SanitizedTree:
         key = llamacpp.patches_digest()[:16] + "-" + fuzz_build.configuration_digest()
     root = SHARED_CACHE / "sanitized-ggml" / key
     tree = SanitizedTree(src, root)
-    if not all((tree.lib_dir / f"lib{t}.so").exists() for t in fuzz_build.TARGETS):
-        root.mkdir(parents=True, exist_ok=True)
-        # through a link in the build directory: the same relative paths for every key (ccache hits)
-        linked = ccache.link_source(src, root)
-        what = "the sanitized GGML tree (clang, ASan + UBSan + libFuzzer)"
-        with native_builds.ccache_in_environment(), native_builds.timed(what):
-            fuzz_build.build_libraries(linked, root)
+    # the dispatch fuzzer's and the graph fuzzers' modules may run in two xdist workers at once
+    with native_builds.locked(f"sanitized-ggml-{key}"):
+        if not all((tree.lib_dir / f"lib{t}.so").exists() for t in fuzz_build.TARGETS):
+            root.mkdir(parents=True, exist_ok=True)
+            # through a link in the build directory: the same relative paths for every key (ccache hits)
+            linked = ccache.link_source(src, root)
+            what = "the sanitized GGML tree (clang, ASan + UBSan + libFuzzer)"
+            with native_builds.ccache_in_environment(), native_builds.timed(what):
+                fuzz_build.build_libraries(linked, root)
     return tree
