@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -137,3 +138,17 @@ def package_data(*parts: str) -> Path:
     if installed.exists():
         return installed
     return here.parent / Path(*parts)
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path` (made if missing) for the block: one holder at a time
+    across processes (two `apirctl` commands, the test suite's workers), released if the holder dies."""
+    import fcntl
+
+    with lock_path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

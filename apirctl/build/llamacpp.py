@@ -14,7 +14,6 @@ without a GPU backend one CPU build serves both.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
@@ -25,7 +24,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, TextIO
 
@@ -35,7 +34,7 @@ from apirctl import config, host
 from apirctl.build import ccache, shader_cache, vulkan
 from apirctl.digest import sha256_file
 from apirctl.errors import MISSING, ApirctlError, tail
-from apirctl.paths import dirs, ensure, package_data
+from apirctl.paths import dirs, ensure, exclusive, package_data
 
 Backend = Literal["cpu", "cuda", "metal", "vulkan"]
 
@@ -268,7 +267,7 @@ def source_dir() -> Path:
                            hint="install it (Debian: apt-get install patch), or run scripts/system-deps.sh")
     ensure(root.parent)
     # one unpacker at a time: a second one would replace the tree under a build that already uses it
-    with _exclusive(root.parent / f".{root.name}.lock"):
+    with exclusive(root.parent / f".{root.name}.lock"):
         if (root / ".complete").exists():
             return tree
         _unpack(root)
@@ -366,7 +365,7 @@ def copy_in(found: Build) -> Build:
     if done is not None:
         return done
     ensure(root)
-    with _exclusive(root / ".lock"):
+    with exclusive(root / ".lock"):
         done = _load(root)
         if done is not None:
             return done
@@ -439,23 +438,10 @@ def build(options: BuildOptions, jobs: int | None = None, progress: ProgressFn |
         if done is not None:
             return done
     ensure(root)
-    with _exclusive(root / ".lock"):
+    with exclusive(root / ".lock"):
         # Another apirctl may have finished this build while we waited for the lock.
         done = None if force else _load(root)
         return done if done is not None else _build_locked(root, options, jobs, progress)
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """One build of a given key at a time, across processes (two `apirctl setup`s, parallel tests)."""
-    import fcntl
-
-    with lock_path.open("w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _forget_other_source(build_dir: Path, src: Path) -> None:

@@ -26,7 +26,6 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,7 +34,7 @@ from pydantic import BaseModel, Field
 
 from apirctl import host
 from apirctl.errors import MISSING, ApirctlError, tail
-from apirctl.paths import dirs, ensure
+from apirctl.paths import dirs, ensure, exclusive
 
 if TYPE_CHECKING:
     from podman import PodmanClient
@@ -434,17 +433,9 @@ def discover(start: bool = True) -> Endpoint:
         return start_service()
 
 
-@contextlib.contextmanager
-def _service_lock() -> Iterator[None]:
-    import fcntl
-
-    path = ensure(dirs().state) / "podman-service.lock"
-    with path.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def _service_lock() -> contextlib.AbstractContextManager[None]:
+    """Two apirctl processes in one home start one Podman service, not two."""
+    return exclusive(ensure(dirs().state) / "podman-service.lock")
 
 
 # One client per process and environment: discovery pings sockets, which serve's hot path must

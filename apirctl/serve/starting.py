@@ -10,7 +10,7 @@ import contextlib
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic import BaseModel
 
@@ -137,12 +137,7 @@ def _start_container(ready: Provisioned) -> Server:
             tail = _safe_tail(api, container_id)
             if not opts.keep:
                 _remove_failed(api, container_id)
-        if isinstance(exc, ServeFailed):
-            exc.log_tail = exc.log_tail or tail
-            raise
-        if isinstance(exc, ApirctlError):
-            raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
-        raise
+        _raise_with_log(exc, tail)
     router = isinstance(model, ModelSet)
     return Server(
         name=name, id=container_id, model=model.label if isinstance(model, ModelSet) else model.name,
@@ -154,6 +149,17 @@ def _start_container(ready: Provisioned) -> Server:
         apir_host=plan.apir_host, router=router, models_dir=str(opts.models_dir or ""),
         models=router_models(base) if router else {}, default_model=ready.spec.labels.get(L_DEFAULT_MODEL, ""),
     )
+
+
+def _raise_with_log(exc: BaseException, tail: str) -> NoReturn:
+    """Raise what a failed start ends in: our errors carry the server's last log lines (ServeFailed);
+    anything else (an interrupt, a bug) goes on as it was."""
+    if isinstance(exc, ServeFailed):
+        exc.log_tail = exc.log_tail or tail
+        raise exc
+    if isinstance(exc, ApirctlError):
+        raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
+    raise exc
 
 
 #: A VM's memory when --memory is not given (MiB), and its CPUs when --cpus is not.
@@ -192,12 +198,7 @@ def _start_vm(ready: Provisioned) -> Server:
         with uninterrupted():
             tail = vm.server_tail(record.name, LOG_TAIL_LINES)
             vm.remove(record.name)
-        if isinstance(exc, ServeFailed):
-            exc.log_tail = exc.log_tail or tail
-            raise
-        if isinstance(exc, ApirctlError):
-            raise ServeFailed(exc.message, tail, hint=exc.hint) from exc
-        raise
+        _raise_with_log(exc, tail)
     server = vm.server_of(record)
     server.health = "ok"
     return server

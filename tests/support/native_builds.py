@@ -11,7 +11,6 @@ cache is only read.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from apirctl.build import ccache, llamacpp
 from apirctl.digest import sha256_file
+from apirctl.paths import exclusive
 from tests.conftest import SHARED_CACHE, USER_CACHE
 
 #: (what, seconds, how) of each build this session made or reused, in order.
@@ -33,12 +33,8 @@ def locked(name: str) -> Iterator[None]:
     and other suites on this machine. Check whether it exists inside the lock, then make it."""
     lock = SHARED_CACHE / "locks" / f"{name}.lock"
     lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    with exclusive(lock):
+        yield
 
 
 @contextlib.contextmanager
