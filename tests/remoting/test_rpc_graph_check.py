@@ -29,9 +29,12 @@ ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR, GRAPH_COMPUTE, HELLO, DEV
 SUPPORTS_OP = 22
 FEATURE_SUPPORTS_OP = 0x01  # rpc_msg_hello_rsp.features
 FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: backends skip a node without it
-F32, F16, Q8_0, IQ2_XXS, I32, BF16 = 0, 1, 8, 16, 26, 30
-BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), BF16: (2, 1), Q8_0: (34, 32), IQ2_XXS: (66, 256)}  # bytes, elements
-OP_NONE, OP_ADD, OP_RMS_NORM, OP_MUL_MAT, OP_SCALE, OP_CPY, OP_ROPE = 0, 2, 25, 29, 32, 34, 48
+F32, F16, Q8_0, IQ2_XXS, I32, I64, F64, BF16 = 0, 1, 8, 16, 26, 27, 28, 30
+BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), I64: (8, 1), F64: (8, 1), BF16: (2, 1), Q8_0: (34, 32),
+         IQ2_XXS: (66, 256)}  # bytes, elements
+OP_NONE, OP_ADD, OP_MUL, OP_RMS_NORM, OP_MUL_MAT, OP_MUL_MAT_ID, OP_SCALE, OP_CPY = 0, 2, 7, 25, 29, 30, 32, 34
+OP_GET_ROWS, OP_SET_ROWS, OP_ROPE, OP_UNARY = 40, 42, 48, 91
+UNARY_ABS = 0
 # rpc_tensor: id, type, buffer, ne[4], nb[4], op, op_params[16], flags, src[10], view_src, view_offs, data,
 # name[64], use_count
 TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
@@ -184,6 +187,59 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         "scale-of-a-permuted-source-with-a-dimension-of-1": ([2], [
             s.at(1, F32, [23, 1, 3], 0, nb=[4, 276, 92, 276]),
             s.at(2, F32, [23, 1, 3], 4096, op=OP_SCALE, src=[1], params=[F32_TWO])]),
+        # found by the graph fuzzer (tests/apir/graph_fuzz/findings/, of the same names): the CPU's
+        # binary kernels index a row's elements by the type's size, and assert it of src0
+        "binary-op-of-a-transposed-source": ([3], [
+            s.at(1, F16, [32, 4], 0, nb=[8, 2, 256, 256]), s.at(2, F32, [32, 4], 4096),
+            s.at(3, F16, [32, 4], 8192, op=OP_MUL, src=[1, 2])]),
+        # so do its unary kernels, of every unary op (ABS here, whose types the rules leave to the device)
+        "unary-of-a-transposed-source": ([2], [
+            s.at(1, F32, [40, 17], 0, nb=[68, 4, 2720, 2720]),
+            s.at(2, F32, [40, 17], 8192, op=OP_UNARY, src=[1], params=[UNARY_ABS])]),
+        # MUL_MAT_ID multiplies packed rows of src1
+        "mul-mat-id-of-a-transposed-source": ([4], [
+            s.at(1, F32, [32, 18, 2], 0), s.at(2, F32, [32, 2, 2], 8192, nb=[8, 4, 256, 512]),
+            s.at(3, I32, [2, 2], 12288),
+            s.at(4, F32, [18, 2, 2], 16384, op=OP_MUL_MAT_ID, src=[1, 2, 3])]),
+        # the CPU's copy converts between F32 and I32 only: F64 into F32 aborts
+        "cpy-from-f64-into-f32": ([2], [s.at(1, F64, [1, 9], 0), s.at(2, F32, [1, 9], 4096, op=OP_CPY, src=[1, 3]),
+                                        s.at(3, F32, [1, 9], 4096)]),
+    }
+
+
+def mul_mat_id(s: Session, ids: bytes) -> tuple[list[int], list[bytes]]:
+    """out = as[ids] x b over 2 experts of 3 rows of 4 (expert 0 all 1, expert 1 all 2; b all 1), the ids
+    I32 [2] at 4096 (id 3): each of out's columns is 4 or 8, by its expert."""
+    experts, b = s.at(4, F32, [4, 3, 2], 8192), s.at(5, F32, [4, 1, 1], 12288)
+    s.set(experts, array.array("f", [1.0] * 12 + [2.0] * 12).tobytes())
+    s.set(b, array.array("f", [1.0] * 4).tobytes())
+    return [6], [experts, b, ids, s.at(6, F32, [3, 2, 1], 16384, op=OP_MUL_MAT_ID, src=[4, 5, 3])]
+
+
+def index_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
+    """Graphs whose shapes are valid and whose indices are not: the server reads them before each run."""
+    ids = s.at(3, I32, [2], 4096)
+    s.set(ids, struct.pack("<2i", 1, 2))  # two experts: 2 is out of range
+    table, rows = s.at(1, F32, [4, 8], 0), s.at(2, I32, [2], 36864)
+    s.set(rows, struct.pack("<2i", 0, 9))  # a table of 8 rows: 9 is past it
+    set_rows_src, set_rows_idx = s.at(7, F32, [4, 2], 20480), s.at(8, I64, [2], 24576)
+    s.set(set_rows_src, bytes(32))
+    s.set(set_rows_idx, struct.pack("<2q", 0, 8))  # a table of 8 rows: 8 is past it
+    # ids the graph computes (as a mixture of experts computes its own): CPY of floats into I32
+    floats, computed = s.at(9, F32, [2], 28672), s.at(3, I32, [2], 45056, op=OP_CPY, src=[9, 10])
+    s.set(floats, array.array("f", [1.0, -1.0]).tobytes())  # -1: below the first expert
+    nodes, tensors = mul_mat_id(s, computed)
+    return {
+        # the CPU reads the expert's matrix at ids * nb[2] (a wild pointer); GPUs do not look
+        "mul-mat-id-with-an-expert-id-out-of-range": mul_mat_id(s, ids),
+        "get-rows-with-an-index-out-of-range": ([11], [table, rows, s.at(11, F32, [4, 2], 8192, op=OP_GET_ROWS,
+                                                                         src=[1, 2])]),
+        "set-rows-with-an-index-out-of-range": ([12], [set_rows_src, set_rows_idx,
+                                                       s.at(12, F32, [4, 8], 0, op=OP_SET_ROWS,
+                                                            src=[7, 8])]),
+        # the server computes up to the node that reads them, then checks them
+        "mul-mat-id-with-a-computed-expert-id-out-of-range": ([3, *nodes], [floats, s.at(10, I32, [2], 45056),
+                                                                            computed, *tensors]),
     }
 
 
@@ -217,7 +273,9 @@ def test_the_server_says_it_answers_supports_op(server) -> None:  # type: ignore
                                   "rms-norm-on-f16", "cpy-rows-unlike-the-destination", "rope-of-an-odd-row",
                                   "mul-mat-of-zero-strides", "node-without-a-buffer",
                                   "rope-freq-factors-shorter-than-half-the-row",
-                                  "scale-of-a-permuted-source-with-a-dimension-of-1"])
+                                  "scale-of-a-permuted-source-with-a-dimension-of-1",
+                                  "binary-op-of-a-transposed-source", "unary-of-a-transposed-source",
+                                  "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32"])
 def test_a_graph_the_kernels_cannot_run_is_refused_and_the_server_serves_on(server, name: str) -> None:  # type: ignore[no-untyped-def]
     proc, path, log = server
     add_computes(path)
@@ -231,3 +289,49 @@ def test_a_graph_the_kernels_cannot_run_is_refused_and_the_server_serves_on(serv
     wait_for("the refusal in the server's log", lambda: "graph refused" in log.read_text(errors="replace"), 10)
     assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
     add_computes(path)
+
+
+@pytest.mark.parametrize("name", ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
+                                  "set-rows-with-an-index-out-of-range",
+                                  "mul-mat-id-with-a-computed-expert-id-out-of-range"])
+def test_a_graph_with_an_index_out_of_range_is_refused_and_the_server_serves_on(server, name: str) -> None:  # type: ignore[no-untyped-def]
+    proc, path, log = server
+    add_computes(path)
+    s = Session(path)
+    try:
+        nodes, tensors = index_graphs(s)[name]
+        s.compute(nodes, tensors)
+        assert s.closed_by_server()
+    finally:
+        s.close()
+    wait_for("the refusal in the server's log", lambda: "index out of range" in log.read_text(errors="replace"), 10)
+    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+    add_computes(path)
+
+
+def test_indices_in_range_compute_whether_given_or_computed(server) -> None:  # type: ignore[no-untyped-def]
+    """The value checks refuse nothing valid: expert ids the client set, and ids the graph computes
+    (the server runs the graph in two parts around the check), give the expected products; GET_ROWS
+    reads the rows named."""
+    _, path, _ = server
+    s = Session(path)
+    try:
+        ids = s.at(3, I32, [2], 4096)
+        s.set(ids, struct.pack("<2i", 1, 0))
+        nodes, tensors = mul_mat_id(s, ids)
+        s.compute(nodes, tensors)
+        assert list(array.array("f", s.get(tensors[-1], 24))) == [8.0] * 3 + [4.0] * 3
+        floats, computed = s.at(9, F32, [2], 28672), s.at(3, I32, [2], 4096, op=OP_CPY, src=[9, 10])
+        s.set(floats, array.array("f", [0.0, 1.0]).tobytes())
+        nodes, tensors = mul_mat_id(s, computed)
+        s.compute([3, *nodes], [floats, s.at(10, I32, [2], 4096), computed, *tensors])
+        assert list(array.array("f", s.get(tensors[-1], 24))) == [4.0] * 3 + [8.0] * 3
+        table, rows = s.at(1, F32, [4, 8], 32768), s.at(2, I32, [2], 36864)
+        s.set(table, array.array("f", range(32)).tobytes())
+        s.set(rows, struct.pack("<2i", 7, 2))
+        out = s.at(11, F32, [4, 2], 40960, op=OP_GET_ROWS, src=[1, 2])
+        s.compute([11], [table, rows, out])
+        assert list(array.array("f", s.get(out, 32))) == [28.0, 29.0, 30.0, 31.0, 8.0, 9.0, 10.0, 11.0]
+        assert not s.closed_by_server()
+    finally:
+        s.close()
