@@ -165,6 +165,54 @@ rpc_tensor record(const gfuzz::graph & g, int i, const std::vector<uint64_t> & b
     return w;
 }
 
+// A buffer per tensor of `g` (views share their source's), each filled with one SET_TENSOR of its
+// bytes. False when the connection failed on the way: the server drops a client whose graph it
+// refused, and the drop can show only at a later command.
+bool upload(const gfuzz::graph & g, std::vector<uint64_t> & buffers, std::vector<uint64_t> & bases) {
+    buffers.clear();
+    bases.clear();
+    std::vector<uint8_t> req;
+    for (size_t b = 0; b < g.sizes.size(); b++) {
+        req.clear();
+        put(req, (uint32_t) 0);
+        put(req, (uint64_t) g.sizes[b]);
+        uint64_t alloc_rsp[2] = {};
+        uint64_t base         = 0;
+        if (!command(CMD_ALLOC_BUFFER, req) || !response(alloc_rsp, sizeof(alloc_rsp)) || !alloc_rsp[0]) {
+            return false;
+        }
+        req.clear();
+        put(req, alloc_rsp[0]);
+        if (!command(CMD_BUFFER_GET_BASE, req) || !response(&base, sizeof(base))) {
+            return false;
+        }
+        buffers.push_back(alloc_rsp[0]);
+        bases.push_back(base);
+
+        gfuzz::tensor whole;
+        whole.type  = GGML_TYPE_I8;
+        whole.ne[0] = (int64_t) g.sizes[b];
+        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
+        whole.nb[0] = 1;
+        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
+        whole.buffer = 0;
+        for (int & src : whole.src) {
+            src = -1;
+        }
+        gfuzz::graph one;
+        one.t.push_back(whole);
+        req.clear();
+        put(req, record(one, 0, { buffers.back() }, { base }));
+        put(req, (uint8_t) 0);
+        put(req, (uint64_t) 0);
+        req.insert(req.end(), g.data[b].begin(), g.data[b].end());
+        if (!command(CMD_SET_TENSOR, req)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 void print_stats() {
     if (getenv("GFUZZ_STATS")) {
         fprintf(stderr, "rpc-graph-fuzz: %zu inputs, %zu graphs computed, %zu refused\n", (size_t) counts->inputs,
@@ -209,63 +257,23 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     if (describe_graphs) {
         gfuzz::describe(g);
     }
-    if (fd < 0 && !connect_server()) {
+    const bool fresh = fd < 0;
+    if (fresh && !connect_server()) {
         fprintf(stderr, "rpc-graph-fuzz: the server stopped accepting connections\n");
         abort();
     }
-    // a buffer per tensor (views share their source's), each filled with one SET_TENSOR of its bytes
     std::vector<uint64_t> buffers, bases;
-    std::vector<uint8_t>  req;
-    for (size_t b = 0; b < g.sizes.size(); b++) {
-        req.clear();
-        put(req, (uint32_t) 0);
-        put(req, (uint64_t) g.sizes[b]);
-        uint64_t alloc_rsp[2] = {};
-        bool     allocated = command(CMD_ALLOC_BUFFER, req) && response(alloc_rsp, sizeof(alloc_rsp)) && alloc_rsp[0];
-        if (!allocated && b == 0) {
-            // a connection the server dropped after the last input, unnoticed until now: once more on a
-            // new one (a server that refuses a fresh client's first buffer is a finding)
-            disconnect();
-            allocated = connect_server() && command(CMD_ALLOC_BUFFER, req) &&
-                        response(alloc_rsp, sizeof(alloc_rsp)) && alloc_rsp[0];
-        }
-        if (!allocated) {
-            fprintf(stderr, "rpc-graph-fuzz: a buffer of %zu bytes was refused\n", g.sizes[b]);
-            abort();
-        }
-        uint64_t base = 0;
-        req.clear();
-        put(req, alloc_rsp[0]);
-        if (!command(CMD_BUFFER_GET_BASE, req) || !response(&base, sizeof(base))) {
-            fprintf(stderr, "rpc-graph-fuzz: the server does not answer BUFFER_GET_BASE\n");
-            abort();
-        }
-        buffers.push_back(alloc_rsp[0]);
-        bases.push_back(base);
-
-        gfuzz::tensor whole;
-        whole.type  = GGML_TYPE_I8;
-        whole.ne[0] = (int64_t) g.sizes[b];
-        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
-        whole.nb[0] = 1;
-        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
-        whole.buffer = 0;
-        for (int & src : whole.src) {
-            src = -1;
-        }
-        gfuzz::graph one;
-        one.t.push_back(whole);
-        req.clear();
-        put(req, record(one, 0, { buffers.back() }, { base }));
-        put(req, (uint8_t) 0);
-        put(req, (uint64_t) 0);
-        req.insert(req.end(), g.data[b].begin(), g.data[b].end());
-        if (!command(CMD_SET_TENSOR, req)) {
-            fprintf(stderr, "rpc-graph-fuzz: SET_TENSOR was not sent\n");
+    if (!upload(g, buffers, bases)) {
+        // a connection the server dropped after the last input, unnoticed until now: once more on a
+        // new one (a server that drops a fresh client setting up its buffers is a finding)
+        disconnect();
+        if (fresh || !connect_server() || !upload(g, buffers, bases)) {
+            fprintf(stderr, "rpc-graph-fuzz: a fresh connection failed while its %zu buffers were set up\n",
+                    g.sizes.size());
             abort();
         }
     }
-
+    std::vector<uint8_t> req;
     req.clear();
     put(req, (uint32_t) 0);
     put(req, (uint32_t) g.nodes.size());
