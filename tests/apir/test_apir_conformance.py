@@ -227,11 +227,12 @@ def test_backend_rebuilds_our_graphs(harness, k: int, m: int, n: int, name: str,
 
 
 def _wide_graph(buffer: int) -> tuple[tensor.Graph, tensor.Tensor]:
-    """Rows taken by index from a view of 2^33 rows of stride 0 (16 bytes of memory): no narrow record
-    holds its source."""
-    x = tensor.Tensor((4, 1 << 33), name="x", buffer=buffer, offset=0, strides=(4, 0, 0, 1 << 40))
-    ids = tensor.Tensor((2,), type=26, name="ids", buffer=buffer, offset=64, flags=tensor.FLAG_INPUT)  # I32
-    rows = tensor.Tensor((4, 2), op=40, src=[x, ids], name="rows", buffer=buffer, offset=128)  # GET_ROWS
+    """Rows taken by index from a table whose last stride, over a dimension of one, is 2^40: no narrow
+    record holds it, and the node checks take it (a stride of 0 over more than one element, as a view
+    of 2^33 rows over 16 bytes has, is refused since the checks are shared with ggml-rpc's server)."""
+    x = tensor.Tensor((4, 8), name="x", buffer=buffer, offset=0, strides=(4, 16, 128, 1 << 40))
+    ids = tensor.Tensor((2,), type=26, name="ids", buffer=buffer, offset=192, flags=tensor.FLAG_INPUT)  # I32
+    rows = tensor.Tensor((4, 2), op=40, src=[x, ids], name="rows", buffer=buffer, offset=256)  # GET_ROWS
     return tensor.Graph([rows]), x
 
 
@@ -249,7 +250,7 @@ def test_backend_rebuilds_wide_graphs_intact(harness) -> None:  # type: ignore[n
         # the source as the backend got it: read back through a node that is the source itself
         leaf = json.loads(harness.ask(f"graph {tensor.Graph([x]).serialize(wide=True).hex()}"))
         assert leaf["fatal"] == 0
-        assert leaf["nodes"][0]["ne"] == [4, 1 << 33, 1, 1] and leaf["nodes"][0]["nb"] == [4, 0, 0, 1 << 40]
+        assert leaf["nodes"][0]["ne"] == [4, 8, 1, 1] and leaf["nodes"][0]["nb"] == [4, 16, 128, 1 << 40]
         # the same bytes read as narrow records are refused, not misread
         assert harness.ask("wide 0") == "ok"
         assert json.loads(harness.ask(f"graph {data.hex()}"))["fatal"] == 1

@@ -65,10 +65,10 @@ def test_a_cut_features_request_is_refused(backend_libs: Libs) -> None:
 
 
 def test_a_wide_tensor_crosses_intact_once_negotiated(backend_libs: Libs) -> None:
-    """A view of 2^33 rows of stride 0 over 16 bytes: set, get and copy through the library, and a
-    graph that takes rows of it by index (GET_ROWS, whose indices are checked against the 2^33 rows),
-    computed, its output read back. A narrow record would have cut ne[1] to 0: the transfers refused
-    as too large, every index refused as out of range."""
+    """A view of 2^33 rows of stride 0 over 16 bytes: set, get and copy through the library. A narrow
+    record would have cut ne[1] to 0 and the transfers been refused as too large. A graph that takes
+    rows of it by index is refused since the node checks are shared with ggml-rpc's server (0015: a
+    computing node's tensors have distinct elements, so no stride of 0), and the library serves on."""
     with BackendProcess() as proc:
         buffer = _session(proc, backend_libs, extensions.FEATURES)
         assert proc.wide_tensors
@@ -89,8 +89,8 @@ def test_a_wide_tensor_crosses_intact_once_negotiated(backend_libs: Libs) -> Non
         res = proc.shmem(len(graph))
         proc.shmem_write(res, graph)
         ret, reply, _ = proc.dispatch_raw(22, struct.pack("<IQ", res, len(graph)))
-        assert ret == 0 and struct.unpack_from("<i", reply)[0] == 0  # GGML_STATUS_SUCCESS
-        assert _transfer(proc, "buffer_get_tensor", buffer, rows.to_rpc(), 32) == xs * 2
+        assert ret != 0 or struct.unpack_from("<i", reply)[0] != 0  # not GGML_STATUS_SUCCESS
+        assert _transfer(proc, "buffer_get_tensor", buffer, x.to_rpc(), 16) == xs
 
 
 def test_a_wide_write_of_graph_run_crosses_intact(backend_libs: Libs) -> None:

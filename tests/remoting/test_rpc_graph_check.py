@@ -269,42 +269,31 @@ def test_the_server_says_it_answers_supports_op(server) -> None:  # type: ignore
         s.close()
 
 
-@pytest.mark.parametrize("name", ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-types",
-                                  "rms-norm-on-f16", "cpy-rows-unlike-the-destination", "rope-of-an-odd-row",
-                                  "mul-mat-of-zero-strides", "node-without-a-buffer",
-                                  "rope-freq-factors-shorter-than-half-the-row",
-                                  "scale-of-a-permuted-source-with-a-dimension-of-1",
-                                  "binary-op-of-a-transposed-source", "unary-of-a-transposed-source",
-                                  "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32"])
+KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-types", "rms-norm-on-f16",
+                "cpy-rows-unlike-the-destination", "rope-of-an-odd-row", "mul-mat-of-zero-strides",
+                "node-without-a-buffer", "rope-freq-factors-shorter-than-half-the-row",
+                "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
+                "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32"]
+INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
+               "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range"]
+
+
+@pytest.mark.parametrize("name", KERNEL_CASES + INDEX_CASES)
 def test_a_graph_the_kernels_cannot_run_is_refused_and_the_server_serves_on(server, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Refused before anything computes (a node the rules fail, or an index out of range), the
+    connection dropped, and the server serves the next client."""
     proc, path, log = server
     add_computes(path)
     s = Session(path)
     try:
-        nodes, tensors = hostile_graphs(s)[name]
+        index = name in INDEX_CASES
+        said = "index out of range" if index else "graph refused"
+        nodes, tensors = (index_graphs if index else hostile_graphs)(s)[name]
         s.compute(nodes, tensors)
         assert s.closed_by_server()
     finally:
         s.close()
-    wait_for("the refusal in the server's log", lambda: "graph refused" in log.read_text(errors="replace"), 10)
-    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
-    add_computes(path)
-
-
-@pytest.mark.parametrize("name", ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
-                                  "set-rows-with-an-index-out-of-range",
-                                  "mul-mat-id-with-a-computed-expert-id-out-of-range"])
-def test_a_graph_with_an_index_out_of_range_is_refused_and_the_server_serves_on(server, name: str) -> None:  # type: ignore[no-untyped-def]
-    proc, path, log = server
-    add_computes(path)
-    s = Session(path)
-    try:
-        nodes, tensors = index_graphs(s)[name]
-        s.compute(nodes, tensors)
-        assert s.closed_by_server()
-    finally:
-        s.close()
-    wait_for("the refusal in the server's log", lambda: "index out of range" in log.read_text(errors="replace"), 10)
+    wait_for("the refusal in the server's log", lambda: said in log.read_text(errors="replace"), 10)
     assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
     add_computes(path)
 

@@ -347,18 +347,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         buffers.push_back(buffer);
 
         memcpy(resources[0].ptr, g.data[b].data(), g.sizes[b]);
-        gfuzz::tensor whole;
-        whole.type  = GGML_TYPE_I8;
-        whole.ne[0] = (int64_t) g.sizes[b];
-        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
-        whole.nb[0] = 1;
-        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
-        whole.buffer = 0;
-        for (int & src : whole.src) {
-            src = -1;
-        }
-        gfuzz::graph one;
-        one.t.push_back(whole);
+        const gfuzz::graph one = gfuzz::whole_buffer(g.sizes[b]);
         writer set;
         set.put(buffer);
         put_record(set, record(one, 0, { buffer }), wide);

@@ -132,6 +132,24 @@ static const ggml_type ANY_TYPES[]   = {
     GGML_TYPE_I32,  GGML_TYPE_I16,  GGML_TYPE_I8,   GGML_TYPE_F64,  GGML_TYPE_I64,  GGML_TYPE_Q8_0,
 };
 
+// One I8 tensor over the whole of a buffer of `size` bytes: how a harness writes a buffer's bytes
+// with a single set-tensor call.
+inline graph whole_buffer(size_t size) {
+    tensor whole;
+    whole.type  = GGML_TYPE_I8;
+    whole.ne[0] = (int64_t) size;
+    whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
+    whole.nb[0] = 1;
+    whole.nb[1] = whole.nb[2] = whole.nb[3] = size;
+    whole.buffer = 0;
+    for (int & src : whole.src) {
+        src = -1;
+    }
+    graph one;
+    one.t.push_back(whole);
+    return one;
+}
+
 inline ggml_type float_type(reader & r) { return FLOAT_TYPES[r.u8() % 4]; }
 inline ggml_type any_type(reader & r) { return ANY_TYPES[r.u8() % (sizeof(ANY_TYPES) / sizeof(ANY_TYPES[0]))]; }
 inline ggml_type weight_type(reader & r) {

@@ -189,18 +189,7 @@ bool upload(const gfuzz::graph & g, std::vector<uint64_t> & buffers, std::vector
         buffers.push_back(alloc_rsp[0]);
         bases.push_back(base);
 
-        gfuzz::tensor whole;
-        whole.type  = GGML_TYPE_I8;
-        whole.ne[0] = (int64_t) g.sizes[b];
-        whole.ne[1] = whole.ne[2] = whole.ne[3] = 1;
-        whole.nb[0] = 1;
-        whole.nb[1] = whole.nb[2] = whole.nb[3] = g.sizes[b];
-        whole.buffer = 0;
-        for (int & src : whole.src) {
-            src = -1;
-        }
-        gfuzz::graph one;
-        one.t.push_back(whole);
+        const gfuzz::graph one = gfuzz::whole_buffer(g.sizes[b]);
         req.clear();
         put(req, record(one, 0, { buffers.back() }, { base }));
         put(req, (uint8_t) 0);
