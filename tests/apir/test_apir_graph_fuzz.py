@@ -90,7 +90,11 @@ def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp
     done = campaign.run(fuzzers[host], 10_000_000, tmp_path / "artifacts", seed=30, max_total_time=SMOKE_SECONDS,
                         timeout=SLOW_INPUT_SECONDS)
     findings = [campaign.classify(fuzzers[host], Path(p)) for p in done.result.findings]
-    assert done.result.clean, f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
+    # The RPC harness sometimes stops on a connection it cannot use after a refusal; such an input
+    # replays cleanly alone ("no longer reproduces", docs/reliability.md). A sanitizer report, an
+    # abort or a signal reproduces, and fails the test.
+    real = [f for f in findings if f.kind != "no longer reproduces"]
+    assert not real and (findings or done.result.clean), f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
     n = len(list(campaign.CORPUS.iterdir()))
     assert done.graphs_computed >= n - 2 and done.result.edges > 0
 
