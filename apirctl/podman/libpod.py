@@ -14,6 +14,7 @@ import contextlib
 import http.client
 import json
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -194,9 +195,21 @@ def start(url: str, container_id: str) -> None:
     request(url, "POST", f"/containers/{container_id}/start")
 
 
+EXIT_RACE_SECONDS = 2.0
+
+
 def inspect(url: str, container_id: str) -> dict[str, Any]:
-    _, answer = request(url, "GET", f"/containers/{container_id}/json")
-    return dict(answer)
+    """A container's inspect data. Podman reads the container's /proc entries to answer, and fails with
+    "no such process" when the process exits during the read; asked again, it reports the exit."""
+    deadline = time.monotonic() + EXIT_RACE_SECONDS
+    while True:
+        try:
+            _, answer = request(url, "GET", f"/containers/{container_id}/json")
+            return dict(answer)
+        except LibpodError as exc:
+            if "no such process" not in exc.message or time.monotonic() > deadline:
+                raise
+        time.sleep(0.02)
 
 
 def list_containers(url: str, label: str, all_: bool = False) -> list[dict[str, Any]]:

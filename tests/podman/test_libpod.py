@@ -126,3 +126,31 @@ def test_a_call_interrupted_mid_request_does_not_spoil_the_next(podman: str, mon
     assert not libpod.exists(podman, "containers", absent)
     libpod._connection(podman).putrequest("GET", "/half-sent")  # one left mid-request some other way
     assert not libpod.exists(podman, "containers", absent)
+
+
+def test_inspect_asks_again_when_the_container_exits_during_the_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Podman answers an inspect that races the container's exit with "read /proc/N/cgroup: no such
+    process" (a perplexity run failed on it in CI); asked again it reports the exit. Any other refusal,
+    or the race lasting past its bound, is passed on."""
+    answers: list[object] = [libpod.LibpodError(500, "read /proc/26803/cgroup: no such process"),
+                             {"State": {"Status": "exited"}}]
+
+    def request(url: str, method: str, path: str, **_: object) -> tuple[int, object]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return 200, answer
+
+    monkeypatch.setattr(libpod, "request", request)
+    assert libpod.inspect("unix:///x", "c1") == {"State": {"Status": "exited"}}
+    assert not answers
+
+    answers[:] = [libpod.LibpodError(404, "no such container"), {}]
+    with pytest.raises(libpod.LibpodError, match="no such container"):
+        libpod.inspect("unix:///x", "c1")
+
+    monkeypatch.setattr(libpod, "EXIT_RACE_SECONDS", 0.1)
+    answers[:] = [libpod.LibpodError(500, "no such process")] * 1000
+    with pytest.raises(libpod.LibpodError, match="no such process"):
+        libpod.inspect("unix:///x", "c1")
+    assert len(answers) < 1000

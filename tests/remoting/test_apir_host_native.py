@@ -887,28 +887,28 @@ for i in range(ggml.ggml_backend_dev_count()):
         print(name, rows, ggml.ggml_backend_dev_supports_op(dev, product))
     if sys.argv[3] != "transfer" or not name.startswith("[virtgpu]"):
         continue
-    # 2^33 rows of stride 0 over 16 bytes of the device's memory: written, read back, and rows taken
-    # from it by index in a graph computed on the device
-    x = base.ggml_new_tensor_2d(ctx, 0, 4, 1 << 33)
+    # two rows whose outer strides (over dimensions of one) are 2^40: a record only the wide tensors
+    # carry; written, read back, and its rows taken by index in a graph computed on the device
+    x = base.ggml_new_tensor_2d(ctx, 0, 4, 2)
     nb = (ctypes.c_size_t * 4).from_address(x + 48)  # ggml_tensor.nb
-    nb[1] = nb[2] = nb[3] = 0
+    nb[2] = nb[3] = 1 << 40
     ids = base.ggml_new_tensor_1d(ctx, 26, 2)  # GGML_TYPE_I32
     rows = base.ggml_get_rows(ctx, x, ids)
     buffer = base.ggml_backend_buft_alloc_buffer(ggml.ggml_backend_dev_buffer_type(dev), 4096)
     at = base.ggml_backend_buffer_get_base(buffer)
     for t, offset in ((x, 0), (ids, 64), (rows, 128)):
         assert base.ggml_backend_tensor_alloc(buffer, t, at + offset) == 0
-    xs = struct.pack("<4f", 1, 2, 3, 4)
-    base.ggml_backend_tensor_set(x, xs, 0, 16)
-    base.ggml_backend_tensor_set(ids, struct.pack("<2i", 5, (1 << 31) - 1), 0, 8)
+    xs = struct.pack("<8f", 1, 2, 3, 4, 5, 6, 7, 8)
+    base.ggml_backend_tensor_set(x, xs, 0, 32)
+    base.ggml_backend_tensor_set(ids, struct.pack("<2i", 1, 0), 0, 8)
     back = ctypes.create_string_buffer(32)
-    base.ggml_backend_tensor_get(x, back, 0, 16)
-    print("get", back.raw[:16] == xs)
+    base.ggml_backend_tensor_get(x, back, 0, 32)
+    print("get", back.raw == xs)
     graph = base.ggml_new_graph(ctx)
     base.ggml_build_forward_expand(graph, rows)
     print("compute", base.ggml_backend_graph_compute(ggml.ggml_backend_dev_init(dev, None), graph))
     base.ggml_backend_tensor_get(rows, back, 0, 32)
-    print("rows", back.raw == xs * 2)
+    print("rows", back.raw == xs[16:] + xs[:16])
 """
 
 
@@ -918,8 +918,10 @@ def test_an_op_wider_than_the_wire_is_claimed_only_with_the_wide_records(asan_ho
     """Without the wide records (GGML_VIRTGPU_WIDE_TENSORS=0, or a host library that lacks them:
     upstream's), a graph's tensors reach the host as apir_rpc_tensor, with 32-bit shapes and strides, so
     the frontend does not claim an op with a tensor of 2^32 rows (which the CPU device takes), and it is
-    never cut short. With them (patch 0014, negotiated) it is claimed, and a tensor of 2^33 rows crosses
-    intact: written, read back and computed from through the frontend and apir-host."""
+    never cut short. With them (patch 0014, negotiated) it is claimed, and a tensor with 2^40 strides (over
+    dimensions of one: the node checks refuse a zero stride over many rows, so a tensor of 2^33 rows
+    cannot fit a test's memory) crosses intact: written, read back and computed from through the
+    frontend and apir-host."""
     client_env = {"GGML_VIRTGPU_WIDE_TENSORS": "0"} if mode == "narrow" else {}
     host, host_env, backend_library = asan_host, None, None
     if mode == "upstream host":
