@@ -266,8 +266,8 @@ def _uses_remoting(server: Server, port: int | None) -> bool:
         return _own_apir_host(server)
     if server.transport != "rpc":
         return False
-    if server.rpc_link in ("unix", "shm"):
-        return True
+    if server.rpc_link in ("unix", "shm"):  # a backend of its own: one this home started (homes may share a Podman)
+        return backends.get(server.rpc_instance) is not None
     if server.rpc_instance:  # labelled: an instance of this home's backend, or another home's
         return _on_host_backend(server)
     return port is None or not server.rpc_target or server.rpc_target.rsplit(":", 1)[-1] == str(port)

@@ -183,6 +183,27 @@ def test_only_servers_of_this_backend_count_as_its_users(monkeypatch: pytest.Mon
     assert [s.name for s in rpc_server.rpc_servers()] == ["local", "other-port", "unlabelled"]
 
 
+def test_a_container_on_a_backend_of_its_own_counts_only_in_the_home_that_started_the_backend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Homes may share one Podman (the suite's parallel workers do): a container on another home's own
+    backend (unix or shm link, an instance this home has no record of) is not this home's user, so
+    this home's backend is not "serving" because of it."""
+    from apirctl.podman import servers as podman_servers
+    from apirctl.remoting import backends
+
+    def server(name: str, instance: str, link: str) -> podman_servers.Server:
+        return podman_servers.Server(name=name, id=name, model="m", transport="rpc", url="", state="running",
+                                     health="ok", port=1, rpc_instance=instance, rpc_link=link)
+
+    found = [server("mine", "aaaa0001", "shm"), server("theirs", "bbbb0002", "unix")]
+    monkeypatch.setattr(podman_servers, "list_servers", lambda *_a, **_k: found)
+    ours = {"aaaa0001"}
+    monkeypatch.setattr(backends, "get", lambda instance_id: object() if instance_id in ours else None)
+    assert [s.name for s in rpc_server.rpc_servers()] == ["mine"]
+    ours.clear()
+    assert rpc_server.rpc_servers() == []
+
+
 @pytest.mark.parametrize(("listen", "port", "says"), [
     ("tcp", 50052, None),
     ("tcp", 50060, "the backend moved from tcp port 50052 to 50060"),
