@@ -41,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from apirctl import serve  # noqa: E402
 from apirctl.apir import trace as apir_trace  # noqa: E402
 from apirctl.build import llamacpp  # noqa: E402
 
@@ -100,11 +101,7 @@ def llama_server(bin_dir: Path, model: Path, workdir: Path, slots: int, socket_p
     def healthy() -> bool:
         if proc.poll() is not None:
             raise SystemExit(log.read_text(errors="replace")[-3000:])
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
+        return serve.health(url, timeout=2) == "ok"
 
     try:
         wait("llama-server", healthy, 180)

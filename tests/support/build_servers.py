@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from apirctl import serve
 from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
 from tests.support import native_builds
@@ -40,11 +41,7 @@ def llama_server(build: llamacpp.Build, model: Path, workdir: Path, offload: lis
 
     def healthy() -> bool:
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return bool(r.status == 200)
-        except OSError:
-            return False
+        return serve.health(url, timeout=2) == "ok"
 
     try:
         wait_for("llama-server", healthy, 180)
