@@ -111,7 +111,7 @@ def test_ps_stats_leaves_a_sleeping_server_asleep(podman: str, llama_image: str,
     from tests.support.waiting import wait_for
 
     done = apirctl("serve", str(demo_model), "--transport", "none", "--port", str(port), "--name", name,
-                   "--idle-unload", "3s", "--json")
+                   "--idle-unload", "12s", "--json")  # room for a loaded machine
     assert done.returncode == 0, done.stderr
     base = f"http://127.0.0.1:{port}"
     try:

@@ -290,7 +290,7 @@ def test_ps_stats_shows_each_running_model_of_a_router(
     first, second = "first-model", "second-model"
     done = apirctl("serve", str(named_copy(demo_model, tmp_path / f"{first}.gguf")),
                    str(named_copy(demo_model, tmp_path / f"{second}.gguf")), "--transport", "none", "-p", str(port),
-                   "-n", name, "--idle-unload", "8s", "-c", "1024", "--json")
+                   "-n", name, "--idle-unload", "20s", "-c", "1024", "--json")  # room for a loaded machine
     assert done.returncode == 0, done.stderr
     shown, per_model = router_stats(name)
     assert shown["problem"] == "no model loaded" and per_model == {}
@@ -324,7 +324,7 @@ def test_ps_stats_shows_each_running_model_of_a_router(
     assert shown["kv_size"] == sum(m["kv_size"] for m in per_model.values() if m["kv_size"] is not None)
 
     # a model put to sleep keeps its figures (the server's cached metrics), and `ps --stats` does not wake it
-    wait_for("the first model to sleep", lambda: states(port)[first] == "sleeping", timeout=60, interval=0.5)
+    wait_for("the first model to sleep", lambda: states(port)[first] == "sleeping", timeout=90, interval=0.5)
     shown, per_model = router_stats(name)
     assert per_model[first]["state"] == "sleeping" and per_model[first]["tokens_generated"] == one["tokens_generated"]
     assert per_model[first]["kv_tokens"] is None  # its slots are not asked: that would load it again
