@@ -18,11 +18,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$(sha256sum pyproject.toml)" ]; then
 else
   echo "[time] pip install: skipped (pyproject.toml unchanged since this venv's install)"
 fi
-# One pytest process by default. APIRCTL_TEST_WORKERS=3 runs 3 (pytest-xdist; a module's tests stay in
-# one worker, in order, and builds are locked, so each is made once), but not yet by default: the
-# workers share the machine's Podman storage, and a test that restarts the host backend sees another
-# worker's remoting containers and finds the backend serving (docs/testing.md).
-workers="${APIRCTL_TEST_WORKERS:-0}"
+# Three pytest processes by default (pytest-xdist; a module's tests stay in one worker, in order, and
+# builds are locked, so each is made once); APIRCTL_TEST_WORKERS=0 runs one. The workers share the
+# machine's Podman storage: each has its own apirctl home, and a home counts only its own backends'
+# containers (docs/testing.md).
+workers="${APIRCTL_TEST_WORKERS:-3}"
 parallel=(); [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup)
 start=$SECONDS
 rc=0
