@@ -95,18 +95,23 @@ ISOLATIONS = ("container", "vm")
 
 def local_plan(opts: ServeOptions) -> Plan:
     """The transport's plan on this host (no --rpc-backend): what `serve` and `--generate` wire. A VM
-    (`--isolation vm`) runs on its own CPU: remoting across the VM boundary is not wired yet."""
+    (`--isolation vm`) runs on its own CPU, or with `--transport rpc` on a backend of its own on the
+    host, reached through the one address its restricted network forwards (`vm.GUEST_RPC_ENDPOINT`)."""
     if opts.isolation not in ISOLATIONS:
         raise ApirctlError(f"--isolation {opts.isolation!r}: one of {', '.join(ISOLATIONS)}")
     if opts.cpus is not None and opts.isolation != "vm":
         raise ApirctlError("--cpus sizes a VM", hint="add --isolation vm, or leave --cpus out")
     if opts.isolation == "vm":
-        if opts.transport not in ("auto", "none"):
-            raise ApirctlError(f"--isolation vm runs llama-server on the VM's CPU, not --transport {opts.transport}",
-                               hint="leave --transport out (remoting into a VM is not built yet)")
+        if opts.transport not in ("auto", "none", "rpc"):
+            raise ApirctlError(f"--isolation vm remotes with --transport rpc, not --transport {opts.transport}",
+                               hint="use --transport rpc (a backend of its own on the host) or none (the VM's CPU)")
         if opts.router or opts.restart or opts.gpu_devices:
             raise ApirctlError("--isolation vm serves one model file, without --restart or --gpu-device",
                                hint="serve several models or a restart policy in a container")
+        if opts.transport == "rpc":
+            if host.is_macos():
+                raise ApirctlError("--isolation vm is for Linux hosts", hint="on macOS use `--transport virtgpu`")
+            return transport.vm_rpc_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT)
         return transport.plan("none", ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=[], own_image=False)
     return transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
                           own_image=opts.image is not None)
