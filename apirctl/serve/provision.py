@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from apirctl import host, vm
+from apirctl import config, host, vm
 from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
@@ -112,9 +112,35 @@ def local_plan(opts: ServeOptions) -> Plan:
             if host.is_macos():
                 raise ApirctlError("--isolation vm is for Linux hosts", hint="on macOS use `--transport virtgpu`")
             return transport.vm_rpc_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT)
+        if opts.transport == "auto":
+            return _vm_auto(opts)
         return transport.plan("none", ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=[], own_image=False)
     return transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
                           own_image=opts.image is not None)
+
+
+def _vm_auto(opts: ServeOptions) -> Plan:
+    """`auto` in a VM apirctl starts: the VM has no GPU, so remoting is its only way to the host's; on
+    emulation (TCG) the host's CPU also computes far faster than the VM's. A VM on KVM of a host without
+    a GPU keeps its own CPU (remoting would move the work to the same cores). The notice says why."""
+    none = transport.plan("none", ngl=opts.ngl, gpu_devices=[], own_image=False)
+    try:
+        build = None if host.is_macos() else llamacpp.current_build()
+    except ApirctlError as exc:
+        return none.model_copy(update={"notice": f"auto: the VM's own CPU ({exc.message})"})
+    if build is None or not (build.bin_dir / backends.BINARY).exists():
+        return none.model_copy(update={"notice": f"auto: the VM's own CPU (no host build with {backends.BINARY}: "
+                                                 "`apirctl setup` makes one)"})
+    remoting = transport.vm_rpc_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT, requested="auto")
+    if build.backend != "cpu":
+        why = f"a VM has no GPU: remoting is its only way to the host's ({build.backend})"
+        return remoting.model_copy(update={"notice": f"auto: rpc remoting, {why}"})
+    accel = vm.choose(config.settings().vm_accel)
+    if accel.name != "kvm":
+        why = f"the VM runs on {accel.name} emulation, and the host's CPU computes its graphs far faster"
+        return remoting.model_copy(update={"notice": f"auto: rpc remoting, {why}"})
+    return none.model_copy(update={"notice": "auto: the VM's own CPU (the host has no GPU: remoting would move "
+                                             "the work to the same cores)"})
 
 
 @contextlib.contextmanager

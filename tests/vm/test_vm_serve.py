@@ -1,6 +1,8 @@
 """`apirctl serve --isolation vm`, end to end: a real QEMU VM booting Debian's kernel with the inference
 image as its root, serving the demo model. Its greedy tokens equal a container's; ps, logs and stop
-work; a killed VM and a failed start leave nothing behind; two VMs run side by side.
+work; a killed VM and a failed start leave nothing behind; two VMs run side by side. With `--transport rpc`
+the VMs compute on backends of their own on the host (one each), whose logs show the graphs, and which
+end with their VMs.
 
 It needs a KVM that boots ordinary guests. A host whose /dev/kvm is PVM (some cloud sandboxes) or
 absent is skipped with that reason; APIRCTL_VM_TCG=1 runs it there on QEMU's emulation instead
@@ -70,8 +72,8 @@ def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothin
     tag = uuid.uuid4().hex[:6]
     first, second, box = f"vm-a-{tag}", f"vm-b-{tag}", f"ct-{tag}"
     try:
-        a = serve_vm(demo_model, first, "--memory", "1g", "--cpus", "1")
-        b = serve_vm(demo_model, second)
+        a = serve_vm(demo_model, first, "--transport", "none", "--memory", "1g", "--cpus", "1")
+        b = serve_vm(demo_model, second, "--transport", "none")
         assert a["isolation"] == b["isolation"] == "vm" and a["health"] == "ok"
         record = machines._read(first)
         assert record is not None and record.memory_mb == 1024 and record.cpus == 1
@@ -111,8 +113,8 @@ def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothin
 def test_a_vm_whose_server_fails_is_one_error_with_its_console_and_leaves_nothing(
         podman: str, llama_image: str, demo_model: Path) -> None:
     name = f"vm-bad-{uuid.uuid4().hex[:6]}"
-    done = cli("serve", str(demo_model), "--isolation", "vm", "--name", name, "--port", str(_free_port()),
-               "--timeout", str(LIMIT), "--", "--no-such-flag")
+    done = cli("serve", str(demo_model), "--isolation", "vm", "--transport", "none", "--name", name, "--port",
+               str(_free_port()), "--timeout", str(LIMIT), "--", "--no-such-flag")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "the VM ended before its server was ready" in done.stderr
     assert "no-such-flag" in done.stderr  # the console's last lines: llama-server's own refusal
