@@ -63,9 +63,21 @@ def test_auto_in_a_vm_picks_remoting_where_it_is_faster_and_says_why(vm_build: o
     assert alone.transport == "none" and alone.notice and backends.BINARY in alone.notice
 
 
-def _record(name: str, rpc_instance: str = "") -> machines.VmRecord:
-    return machines.VmRecord(name=name, id=secrets.token_hex(32), labels={}, image="img", port=18080,
+def _record(name: str, rpc_instance: str = "", port: int = 18080) -> machines.VmRecord:
+    from apirctl.podman.servers import L_API, L_ISOLATION, L_MODEL, L_RPC_INSTANCE, L_RPC_LINK, L_TRANSPORT, L_VERSION
+
+    labels = {L_VERSION: "0", L_MODEL: "demo", L_API: f"http://127.0.0.1:{port}/v1", L_ISOLATION: "vm",
+              L_TRANSPORT: "rpc" if rpc_instance else "none"}
+    if rpc_instance:
+        labels |= {L_RPC_LINK: "unix", L_RPC_INSTANCE: rpc_instance}
+    return machines.VmRecord(name=name, id=secrets.token_hex(32), labels=labels, image="img", port=port,
                              created=time.time(), accel="tcg", memory_mb=256, cpus=1, rpc_instance=rpc_instance)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def _option(command: list[str], flag: str) -> list[str]:
@@ -132,16 +144,20 @@ def test_a_vms_backend_is_a_containers_sandboxed_and_capped_and_its_relay_serves
 
 
 @needs_qemu
-def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(vm_build: object, tmp_path: Path) -> None:
+def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(vm_build: object, tmp_path: Path,
+                                                                         podman: str) -> None:
     """Real QEMU (the guest is never waited for): its chardev socket is its owner's alone, the relay
-    keeps the backend, and ending the VM, by stop or by SIGKILL, ends the relay and the backend."""
+    keeps the backend (`ps` lists the VM as rpc on it, `logs` adds its lines), and ending the VM, by
+    `stop` or by SIGKILL, ends the relay and the backend."""
+    from apirctl import serve
+
     files = boot.ensure_boot_files()
     disk = tmp_path / "root.img"
     disk.write_bytes(bytes(1 << 20))
     rootfs = RootFs(path=disk, image_id="x", entrypoint=[], env={})
     for name, ending in (("vm-stopped", "stop"), ("vm-killed", "kill")):
         instance = rpc_server.start_own_backend(name, GIB)
-        record = machines.launch(_record(name, instance.id), files, rootfs, disk, ["/bin/true"], {}, 8000,
+        record = machines.launch(_record(name, instance.id, _free_port()), files, rootfs, disk, ["/bin/true"], {}, 8000,
                                  "127.0.0.1")
         try:
             backends.hand_over(instance, record.relay_pid)
@@ -151,7 +167,11 @@ def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(vm_buil
             wait_for("the relay to run", lambda r=record: machines.relay_alive(r), timeout=10)
             assert backends.clean([]) == []  # kept by its relay, though no container keeps it
             if ending == "stop":
-                assert machines.remove(name)
+                listed = serve.find_server(name)
+                assert listed.transport == "rpc" and listed.rpc_instance == instance.id and listed.isolation == "vm"
+                shown = list(serve.logs(name))
+                assert any(line.startswith(f"--- host backend of {name}: ggml-rpc-server") for line in shown)
+                assert serve.stop(name) == [name]
             else:
                 os.kill(record.pid, signal.SIGKILL)
             wait_for("the backend to end with its VM", lambda i=instance: not backends.is_backend_process(i.pid),
