@@ -49,7 +49,7 @@ RPC_SOCKET = "rpc-guest.sock"
 #: The address the guest's llama.cpp dials for its backend: forwarded to `RPC_SOCKET`, nothing else.
 GUEST_RPC = ("10.0.2.100", 50052)
 GUEST_RPC_ENDPOINT = f"{GUEST_RPC[0]}:{GUEST_RPC[1]}"
-RELAY_MODULE = "apirctl.vm.relay"
+RELAY_MODULE = relay.__name__
 STOP_TIMEOUT = 10.0
 #: Characters the kernel's command line cannot carry inside one argument.
 _UNSAFE = set('"\n\0')
