@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, private_dir
 from apirctl.podman.servers import Server, from_listed
 from apirctl.remoting import supervised
-from apirctl.vm import accel, relay
+from apirctl.vm import accel
 from apirctl.vm.boot import BootFiles
 from apirctl.vm.rootfs import RootFs
 
@@ -49,7 +50,8 @@ RPC_SOCKET = "rpc-guest.sock"
 #: The address the guest's llama.cpp dials for its backend: forwarded to `RPC_SOCKET`, nothing else.
 GUEST_RPC = ("10.0.2.100", 50052)
 GUEST_RPC_ENDPOINT = f"{GUEST_RPC[0]}:{GUEST_RPC[1]}"
-RELAY_MODULE = relay.__name__
+#: The relay's module (`relay`), run with this interpreter; not imported here, so `-m` runs its only copy.
+RELAY_MODULE = "apirctl.vm.relay"
 STOP_TIMEOUT = 10.0
 #: Characters the kernel's command line cannot carry inside one argument.
 _UNSAFE = set('"\n\0')
@@ -211,7 +213,9 @@ def _start_relay(record: VmRecord) -> int:
     outlives this serve, and ends (stopping the backend) when QEMU does."""
     where = folder(record.name)
     with (where / "relay.log").open("ab") as log:
-        child = subprocess.Popen(relay.module_command(where / RPC_SOCKET, record.rpc_instance),
+        command = [sys.executable, "-m", RELAY_MODULE, "--guest", str(where / RPC_SOCKET),
+                   "--instance", record.rpc_instance, "--qemu-pid", str(record.pid)]
+        child = subprocess.Popen(command,
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
     supervised.adopt(child)

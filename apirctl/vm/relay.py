@@ -27,13 +27,12 @@ import os
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-from apirctl.remoting import backends
+from apirctl.remoting import backends, supervised
 from apirctl.remoting.rpc_client import Command
 
 CONNECT_TIMEOUT = 30.0
@@ -42,11 +41,6 @@ HEADER = struct.Struct("<BQ")
 #: The commands whose count the relay notes: a graph the backend computed for the VM.
 GRAPHS = (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE)
 NOTE = "--- apirctl relay:"
-
-
-def module_command(guest: Path, instance_id: str) -> list[str]:
-    """How serve starts the relay: this interpreter, this module."""
-    return [sys.executable, "-m", "apirctl.vm.relay", "--guest", str(guest), "--instance", instance_id]
 
 
 class Relay:
@@ -136,7 +130,13 @@ class Relay:
             self._end_session()
 
 
-def _connect(path: Path, timeout: float) -> socket.socket:
+def _running(pid: int) -> bool:
+    state = supervised.proc_state(pid)
+    return state is not None and state[0] not in ("Z", "X")
+
+
+def _connect(path: Path, qemu_pid: int, timeout: float) -> socket.socket:
+    """QEMU's chardev socket; given up on at once when QEMU is gone (a VM killed as it started)."""
     deadline = time.monotonic() + timeout
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -145,7 +145,7 @@ def _connect(path: Path, timeout: float) -> socket.socket:
             return sock
         except OSError:
             sock.close()
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or not _running(qemu_pid):
                 raise
             time.sleep(0.05)
 
@@ -154,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="apirctl.vm.relay")
     parser.add_argument("--guest", required=True, type=Path, help="QEMU's chardev socket of the guest stream")
     parser.add_argument("--instance", required=True, help="the VM's backend (its record's id)")
+    parser.add_argument("--qemu-pid", required=True, type=int, help="the VM's QEMU")
     args = parser.parse_args(argv)
     instance = backends.get(args.instance)  # serve hands it over to this process: kept while it runs
     if instance is None:
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     log = Path(instance.log)
     try:
         try:
-            guest = _connect(args.guest, CONNECT_TIMEOUT)
+            guest = _connect(args.guest, args.qemu_pid, CONNECT_TIMEOUT)
         except OSError as exc:
             with contextlib.suppress(OSError), log.open("a") as fh:
                 fh.write(f"{NOTE} no guest stream at {args.guest}: {exc}\n")
