@@ -218,6 +218,15 @@ def confirm_link(instance: Instance, release: bool = True) -> Instance:
     return instance
 
 
+def hand_over(instance: Instance, pid: int) -> Instance:
+    """Process `pid` owns the backend from now on (a VM's relay, which outlives the serve that started
+    it): while it runs, the backend is not stale; once it is gone, `clean` stops the backend."""
+    state = supervised.proc_state(pid)
+    instance.owner_pid, instance.owner_start = pid, state[1] if state else ""
+    _write(instance)
+    return instance
+
+
 def stop(instance: Instance | str) -> None:
     """Stop the backend, remove its directory (socket included), its record and its log."""
     found = get(instance) if isinstance(instance, str) else instance

@@ -164,6 +164,15 @@ def local_rpc_plan(ngl: int, requested: str = "rpc") -> Plan:
     )
 
 
+def vm_rpc_plan(ngl: int, endpoint: str, requested: str = "rpc") -> Plan:
+    """The rpc wiring of a VM (`serve --isolation vm`): a backend of its own on a Unix socket, as a
+    container's, that the guest's llama.cpp dials at `endpoint`, the one address QEMU forwards to it
+    (`apirctl.vm.machines`). Memory cannot be shared across the VM yet: the guest dials TCP, so the
+    connection never moves to shared memory."""
+    return Plan(transport="rpc", requested=requested, rpc_link="unix",
+                llama_args=["--rpc", endpoint, "--n-gpu-layers", str(ngl)])
+
+
 def with_backend(plan: Plan, instance: Instance) -> Plan:
     """`plan` with the backend's socket directory mounted (read-only: connecting needs no write
     access to the mount) where the container's llama.cpp dials it."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from apirctl import host, vm
+from apirctl import config, host, vm
 from apirctl.build import llamacpp
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
@@ -95,21 +95,52 @@ ISOLATIONS = ("container", "vm")
 
 def local_plan(opts: ServeOptions) -> Plan:
     """The transport's plan on this host (no --rpc-backend): what `serve` and `--generate` wire. A VM
-    (`--isolation vm`) runs on its own CPU: remoting across the VM boundary is not wired yet."""
+    (`--isolation vm`) runs on its own CPU, or with `--transport rpc` on a backend of its own on the
+    host, reached through the one address its restricted network forwards (`vm.GUEST_RPC_ENDPOINT`)."""
     if opts.isolation not in ISOLATIONS:
         raise ApirctlError(f"--isolation {opts.isolation!r}: one of {', '.join(ISOLATIONS)}")
     if opts.cpus is not None and opts.isolation != "vm":
         raise ApirctlError("--cpus sizes a VM", hint="add --isolation vm, or leave --cpus out")
     if opts.isolation == "vm":
-        if opts.transport not in ("auto", "none"):
-            raise ApirctlError(f"--isolation vm runs llama-server on the VM's CPU, not --transport {opts.transport}",
-                               hint="leave --transport out (remoting into a VM is not built yet)")
+        if opts.transport not in ("auto", "none", "rpc"):
+            raise ApirctlError(f"--isolation vm remotes with --transport rpc, not --transport {opts.transport}",
+                               hint="use --transport rpc (a backend of its own on the host) or none (the VM's CPU)")
         if opts.router or opts.restart or opts.gpu_devices:
             raise ApirctlError("--isolation vm serves one model file, without --restart or --gpu-device",
                                hint="serve several models or a restart policy in a container")
+        if opts.transport == "rpc":
+            if host.is_macos():
+                raise ApirctlError("--isolation vm is for Linux hosts", hint="on macOS use `--transport virtgpu`")
+            return transport.vm_rpc_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT)
+        if opts.transport == "auto":
+            return _vm_auto(opts)
         return transport.plan("none", ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=[], own_image=False)
     return transport.plan(opts.transport, ngl=opts.ngl, rpc_port=opts.rpc_port, gpu_devices=opts.gpu_devices,
                           own_image=opts.image is not None)
+
+
+def _vm_auto(opts: ServeOptions) -> Plan:
+    """`auto` in a VM apirctl starts: the VM has no GPU, so remoting is its only way to the host's; on
+    emulation (TCG) the host's CPU also computes far faster than the VM's. A VM on KVM of a host without
+    a GPU keeps its own CPU (remoting would move the work to the same cores). The notice says why."""
+    none = transport.plan("none", ngl=opts.ngl, gpu_devices=[], own_image=False)
+    try:
+        build = None if host.is_macos() else llamacpp.current_build()
+    except ApirctlError as exc:
+        return none.model_copy(update={"notice": f"auto: the VM's own CPU ({exc.message})"})
+    if build is None or not (build.bin_dir / backends.BINARY).exists():
+        return none.model_copy(update={"notice": f"auto: the VM's own CPU (no host build with {backends.BINARY}: "
+                                                 "`apirctl setup` makes one)"})
+    remoting = transport.vm_rpc_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT, requested="auto")
+    if build.backend != "cpu":
+        why = f"a VM has no GPU: remoting is its only way to the host's ({build.backend})"
+        return remoting.model_copy(update={"notice": f"auto: rpc remoting, {why}"})
+    accel = vm.choose(config.settings().vm_accel)
+    if accel.name != "kvm":
+        why = f"the VM runs on {accel.name} emulation, and the host's CPU computes its graphs far faster"
+        return remoting.model_copy(update={"notice": f"auto: rpc remoting, {why}"})
+    return none.model_copy(update={"notice": "auto: the VM's own CPU (the host has no GPU: remoting would move "
+                                             "the work to the same cores)"})
 
 
 @contextlib.contextmanager

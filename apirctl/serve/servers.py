@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from apirctl import vm
@@ -194,12 +195,30 @@ def logs(
     server = find_server(name, all=True) if name else find_server(None)
     if server.isolation == "vm":
         yield from vm.logs(server.name, tail_lines=tail, follow=follow)
+        if not follow:
+            yield from _vm_backend_lines(server, tail or VM_BACKEND_LINES)
         return
     api = containers.connect()
     if follow:
         yield from api.follow_logs(server.id, tail=tail, since=since)
         return
     yield from api.logs(server.id, tail=tail).splitlines()
+
+
+#: The lines of a remoting VM's host backend that `logs` adds after the console.
+VM_BACKEND_LINES = 20
+
+
+def _vm_backend_lines(server: Server, lines: int) -> Iterator[str]:
+    """A remoting VM's graphs run in its backend on the host: after the console, the last lines of that
+    backend's log (its sessions and the relay's notes), under a line naming it."""
+    instance = backends.get(server.rpc_instance) if server.rpc_instance else None
+    if instance is None:
+        return
+    with contextlib.suppress(OSError):
+        text = Path(instance.log).read_text(errors="replace").splitlines()
+        yield f"--- host backend of {server.name}: {backends.BINARY} pid {instance.pid}, {instance.log}"
+        yield from text[-lines:]
 
 
 def stop(name: str | None = None, all: bool = False) -> list[str]:  # noqa: A002

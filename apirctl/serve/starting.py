@@ -182,13 +182,16 @@ def _start_vm(ready: Provisioned) -> Server:
     argv = (ready.spec.entrypoint or rootfs.entrypoint) + ready.spec.command
     labels = dict(ready.spec.labels)
     memory_mb = max(256, (opts.memory or VM_MEMORY_MB << 20) >> 20)
+    instance = ready.instance  # remoting: the VM's backend of its own (provision started it)
     record = vm.VmRecord(name=ready.name, id=secrets.token_hex(32), labels=labels, image=ready.image,
                          port=opts.port, created=time.time(), accel=accel.name, memory_mb=memory_mb,
-                         cpus=opts.cpus or VM_CPUS)
+                         cpus=opts.cpus or VM_CPUS, rpc_instance=instance.id if instance else "")
     clock.phase("vm boot")
     record = vm.launch(record, boot, rootfs, model.path, argv, rootfs.env, spec.CONTAINER_PORT,
                        publish_ip(opts.host_ip))
     try:
+        if instance is not None:  # the relay keeps the backend from now on, and ends it with the VM
+            backends.hand_over(instance, record.relay_pid)
         clock.phase("loading model")
         base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
         _wait_vm(record, base, opts.timeout)

@@ -10,6 +10,12 @@ The disks are the cached root filesystem (`rootfs`) and the model file itself, b
 the server's port is forwarded from 127.0.0.1 only by QEMU's user network, which is restricted
 (the guest reaches nothing outside). The kernel's command line carries llama-server's arguments
 to the initramfs's init (`boot`).
+
+A VM served with remoting (`rpc_instance`: its backend of its own, `apirctl.remoting.backends`)
+reaches that one backend and nothing else: the restricted network's single `guestfwd` sends the
+guest's connections to `GUEST_RPC` into a QEMU chardev, a Unix socket in the VM's folder (0700; the
+socket 0600), which the VM's relay (`relay`) carries to the backend's socket, a session at a time.
+QEMU listens on no port for it. Stopping the VM ends QEMU, then the relay, which stops the backend.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +45,13 @@ QEMU = "qemu-system-x86_64"
 CONSOLE = "console.log"
 PIDFILE = "qemu.pid"
 RECORD = "vm.json"
+#: QEMU's end of the guest's RPC stream (a chardev socket in the VM's folder).
+RPC_SOCKET = "rpc-guest.sock"
+#: The address the guest's llama.cpp dials for its backend: forwarded to `RPC_SOCKET`, nothing else.
+GUEST_RPC = ("10.0.2.100", 50052)
+GUEST_RPC_ENDPOINT = f"{GUEST_RPC[0]}:{GUEST_RPC[1]}"
+#: The relay's module (`relay`), run with this interpreter; not imported here, so `-m` runs its only copy.
+RELAY_MODULE = "apirctl.vm.relay"
 STOP_TIMEOUT = 10.0
 #: Characters the kernel's command line cannot carry inside one argument.
 _UNSAFE = set('"\n\0')
@@ -57,6 +71,8 @@ class VmRecord(BaseModel):
     memory_mb: int
     cpus: int
     command: list[str] = Field(default_factory=list)
+    rpc_instance: str = ""  # its backend of its own (remoting), carried by the relay
+    relay_pid: int = 0
 
 
 def root() -> Path:
@@ -139,6 +155,11 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
     where = folder(record.name)
     machine = ["-M", "q35", "-accel", "kvm", "-cpu", "host,-arch-capabilities"] if record.accel == "kvm" else \
         ["-M", "q35", "-accel", "tcg,thread=multi", "-cpu", "max"]
+    netdev = f"user,id=net0,restrict=on,hostfwd=tcp:{host_ip}:{record.port}-:{guest_port}"
+    rpc: list[str] = []
+    if record.rpc_instance:  # the one way out of the VM: its backend, through QEMU's chardev socket
+        netdev += f",guestfwd=tcp:{GUEST_RPC_ENDPOINT}-chardev:rpc"
+        rpc = ["-chardev", f"socket,id=rpc,path={where / RPC_SOCKET},server=on,wait=off"]
     return [
         QEMU, *machine, "-m", str(record.memory_mb), "-smp", str(record.cpus),
         "-name", f"apirctl-{record.name}", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -148,8 +169,7 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
         "-device", "virtio-blk-pci,drive=root",
         "-drive", f"id=model,file={model},format=raw,if=none,readonly=on",
         "-device", "virtio-blk-pci,drive=model",
-        "-netdev", f"user,id=net0,restrict=on,hostfwd=tcp:{host_ip}:{record.port}-:{guest_port}",
-        "-device", "virtio-net-pci,netdev=net0",
+        *rpc, "-netdev", netdev, "-device", "virtio-net-pci,netdev=net0",
         "-daemonize", "-pidfile", str(where / PIDFILE),
     ]
 
@@ -178,10 +198,38 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
                                hint=accel.HINT if "kvm" in done.stderr.lower() else "see the line above")
         record.pid = int((where / PIDFILE).read_text().strip())
         _write(record)
+        if record.rpc_instance:
+            (where / RPC_SOCKET).chmod(0o600)  # its folder is 0700 already: the owner's alone, twice
+            record.relay_pid = _start_relay(record)
+            _write(record)
         return record
     except BaseException:
         remove(record.name)
         raise
+
+
+def _start_relay(record: VmRecord) -> int:
+    """The relay between QEMU's chardev socket and the VM's backend, in a session of its own: it
+    outlives this serve, and ends (stopping the backend) when QEMU does."""
+    where = folder(record.name)
+    with (where / "relay.log").open("ab") as log:
+        command = [sys.executable, "-m", RELAY_MODULE, "--guest", str(where / RPC_SOCKET),
+                   "--instance", record.rpc_instance, "--qemu-pid", str(record.pid)]
+        child = subprocess.Popen(command,
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    supervised.adopt(child)
+    return child.pid
+
+
+def relay_alive(record: VmRecord) -> bool:
+    """The VM's relay still runs (a recycled pid is not it: its command names the VM's folder)."""
+    if record.relay_pid <= 0 or (supervised.proc_state(record.relay_pid) or ("Z",))[0] in ("Z", "X"):
+        return False
+    with contextlib.suppress(OSError):
+        cmdline = Path(f"/proc/{record.relay_pid}/cmdline").read_bytes().decode(errors="replace")
+        return RELAY_MODULE in cmdline and str(folder(record.name)) in cmdline
+    return False
 
 
 # --- logs and stop --------------------------------------------------------------------------------
@@ -242,5 +290,19 @@ def remove(name: str, timeout: float = STOP_TIMEOUT) -> bool:
                     os.kill(record.pid, signal.SIGKILL)
                 deadline = time.monotonic() + timeout
             time.sleep(0.02)
+    if record is not None:
+        _end_relay(record, timeout)
     shutil.rmtree(where, ignore_errors=True)
     return True
+
+
+def _end_relay(record: VmRecord, timeout: float) -> None:
+    """The relay ends by itself once QEMU's stream closes (stopping the backend on its way out);
+    wait for that, and end it only if it does not."""
+    deadline = time.monotonic() + timeout
+    while relay_alive(record):
+        supervised.reap()
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.relay_pid, signal.SIGTERM if time.monotonic() < deadline + timeout else signal.SIGKILL)
+        time.sleep(0.02)

@@ -1,6 +1,8 @@
 """`apirctl serve --isolation vm`, end to end: a real QEMU VM booting Debian's kernel with the inference
 image as its root, serving the demo model. Its greedy tokens equal a container's; ps, logs and stop
-work; a killed VM and a failed start leave nothing behind; two VMs run side by side.
+work; a killed VM and a failed start leave nothing behind; two VMs run side by side. With `--transport rpc`
+the VMs compute on backends of their own on the host (one each), whose logs show the graphs, and which
+end with their VMs.
 
 It needs a KVM that boots ordinary guests. A host whose /dev/kvm is PVM (some cloud sandboxes) or
 absent is skipped with that reason; APIRCTL_VM_TCG=1 runs it there on QEMU's emulation instead
@@ -19,6 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from apirctl.remoting import backends
 from apirctl.vm import accel, machines
 from tests.support.waiting import wait_for
 
@@ -69,8 +72,8 @@ def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothin
     tag = uuid.uuid4().hex[:6]
     first, second, box = f"vm-a-{tag}", f"vm-b-{tag}", f"ct-{tag}"
     try:
-        a = serve_vm(demo_model, first, "--memory", "1g", "--cpus", "1")
-        b = serve_vm(demo_model, second)
+        a = serve_vm(demo_model, first, "--transport", "none", "--memory", "1g", "--cpus", "1")
+        b = serve_vm(demo_model, second, "--transport", "none")
         assert a["isolation"] == b["isolation"] == "vm" and a["health"] == "ok"
         record = machines._read(first)
         assert record is not None and record.memory_mb == 1024 and record.cpus == 1
@@ -110,9 +113,81 @@ def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothin
 def test_a_vm_whose_server_fails_is_one_error_with_its_console_and_leaves_nothing(
         podman: str, llama_image: str, demo_model: Path) -> None:
     name = f"vm-bad-{uuid.uuid4().hex[:6]}"
-    done = cli("serve", str(demo_model), "--isolation", "vm", "--name", name, "--port", str(_free_port()),
-               "--timeout", str(LIMIT), "--", "--no-such-flag")
+    done = cli("serve", str(demo_model), "--isolation", "vm", "--transport", "none", "--name", name, "--port",
+               str(_free_port()), "--timeout", str(LIMIT), "--", "--no-such-flag")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "the VM ended before its server was ready" in done.stderr
     assert "no-such-flag" in done.stderr  # the console's last lines: llama-server's own refusal
     assert not machines.folder(name).exists()
+
+
+@pytest.fixture
+def vm_build(llama_build, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """The host build the VM's backend runs from (a container's comes from the same place)."""
+    monkeypatch.setenv("APIRCTL_LLAMA_BUILD", str(llama_build.root))
+    return llama_build
+
+
+def _left_behind(record: machines.VmRecord, instance: backends.Instance) -> list[str]:
+    """What of a remoting VM still exists on the host: processes, records, sockets, folders."""
+    found = []
+    if machines.alive(record):
+        found.append("QEMU")
+    if machines.relay_alive(record):
+        found.append("the relay")
+    if backends.is_backend_process(instance.pid):
+        found.append("the backend")
+    if backends.get(instance.id) is not None:
+        found.append("the backend's record")
+    for path in (machines.folder(record.name), Path(instance.directory)):
+        if path.exists():
+            found.append(str(path))
+    return found
+
+
+def test_a_vm_with_remoting_computes_on_its_own_host_backend_and_leaves_nothing(
+        podman: str, llama_image: str, demo_model: Path, vm_build: object) -> None:
+    """`--transport rpc` in a VM: the guest's llama.cpp reaches a backend of its own on the host through
+    the one forwarded address; its greedy tokens equal a container's on its own CPU; the backend's log
+    shows the graphs it computed; stop ends it; a killed VM takes its backend with it."""
+    tag = uuid.uuid4().hex[:6]
+    first, second, box = f"vm-rpc-a-{tag}", f"vm-rpc-b-{tag}", f"ct-{tag}"
+    try:
+        a = serve_vm(demo_model, first, "--transport", "rpc", "--memory", "1g")
+        b = serve_vm(demo_model, second, "--transport", "rpc")
+        assert b["health"] == "ok"
+        assert a["transport"] == "rpc" and a["isolation"] == "vm" and a["health"] == "ok"
+        rec_a, rec_b = machines._read(first), machines._read(second)
+        assert rec_a is not None and rec_b is not None
+        inst_a, inst_b = backends.get(rec_a.rpc_instance), backends.get(rec_b.rpc_instance)
+        assert inst_a is not None and inst_b is not None and inst_a.pid != inst_b.pid  # a backend each
+        assert inst_a.owner_pid == rec_a.relay_pid and machines.relay_alive(rec_a)
+        assert f"--rpc {machines.GUEST_RPC_ENDPOINT}" in " ".join(rec_a.command)
+
+        container = cli("serve", str(demo_model), "--transport", "none", "--name", box, "--port",
+                        str(_free_port()), "--ctx-size", "512", "--json")
+        assert container.returncode == 0, container.stderr
+        expected = greedy_tokens(json.loads(container.stdout)["url"])
+        assert greedy_tokens(str(a["url"])) == expected
+        log = Path(inst_a.log).read_text()
+        assert "Accepted client connection" in log and "first GRAPH_COMPUTE" in log, log[-2000:]
+        assert "shared-memory transport" not in log  # nothing is shared across the VM yet
+
+        listed = {s["name"]: s for s in ps()}
+        assert listed[first]["transport"] == "rpc" and listed[first]["health"] == "ok"
+        assert "load_model" in cli("logs", first).stdout
+
+        assert cli("stop", first).returncode == 0
+        wait_for("the stopped VM's host processes to end", lambda: not _left_behind(rec_a, inst_a), timeout=30)
+
+        os.kill(rec_b.pid, signal.SIGKILL)  # the per-VM backend ends with its VM
+        wait_for("the killed VM's backend and relay to end",
+                 lambda: not (machines.relay_alive(rec_b) or backends.is_backend_process(inst_b.pid)), timeout=30)
+        gone = {s["name"]: s for s in ps("-a")}[second]
+        assert gone["state"] == "exited"
+        assert cli("stop", second).returncode == 0
+        assert not _left_behind(rec_b, inst_b)
+    finally:
+        cli("stop", first)
+        cli("stop", second)
+        cli("stop", box)

@@ -1,0 +1,184 @@
+"""Remoting across the VM boundary, without waiting for a guest: the plan and QEMU's command line of a
+remoting VM carry exactly one way out (the forwarded backend address), its backend is the container's
+(sandboxed, capped), the relay splits one guest stream into one backend session per client, and a VM's
+backend ends with its VM. Real QEMU, real `ggml-rpc-server`; the guest is never waited for."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from apirctl.errors import ApirctlError
+from apirctl.remoting import backends, rpc_client, rpc_server
+from apirctl.serve import options
+from apirctl.serve.provision import local_plan
+from apirctl.vm import accel, boot, machines
+from apirctl.vm.relay import Relay
+from apirctl.vm.rootfs import RootFs
+from tests.support.waiting import wait_for
+
+needs_qemu = pytest.mark.skipif(shutil.which(machines.QEMU) is None or shutil.which("apt-get") is None,
+                                reason="QEMU and the VM's kernel (from apt) are needed")
+GIB = 1 << 30
+
+
+@pytest.fixture
+def vm_build(llama_build, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("APIRCTL_LLAMA_BUILD", str(llama_build.root))
+    return llama_build
+
+
+def test_the_serve_planner_gives_a_remoting_vm_a_backend_of_its_own_at_the_one_forwarded_address() -> None:
+    plan = local_plan(options("smollm2", isolation="vm", transport="rpc"))
+    assert plan.transport == "rpc" and plan.needs_backend and plan.rpc_link == "unix"
+    assert plan.llama_args[:2] == ["--rpc", machines.GUEST_RPC_ENDPOINT]
+    assert not plan.network_mode and not plan.devices  # nothing of a container's wiring
+    assert local_plan(options("smollm2", isolation="vm", transport="none")).transport == "none"
+    for refused in ("virtgpu", "gpu"):
+        with pytest.raises(ApirctlError, match="remotes with --transport rpc"):
+            local_plan(options("smollm2", isolation="vm", transport=refused))
+
+
+def test_auto_in_a_vm_picks_remoting_where_it_is_faster_and_says_why(vm_build: object, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(accel, "kvm_problem", lambda: "this host's KVM is PVM")  # emulation (TCG)
+    chosen = local_plan(options("smollm2", isolation="vm"))
+    assert chosen.transport == "rpc" and chosen.needs_backend and chosen.requested == "auto"
+    assert chosen.notice and "tcg emulation" in chosen.notice
+    monkeypatch.setattr(accel, "kvm_problem", lambda: None)  # a KVM that boots ordinary guests, a CPU host
+    kept = local_plan(options("smollm2", isolation="vm"))
+    assert kept.transport == "none" and kept.notice and "own CPU" in kept.notice
+    monkeypatch.setenv("APIRCTL_LLAMA_BUILD", str(tmp_path))  # no usable host build: nothing to remote to
+    alone = local_plan(options("smollm2", isolation="vm"))
+    assert alone.transport == "none" and alone.notice and "the VM's own CPU" in alone.notice
+
+
+def _record(name: str, rpc_instance: str = "", port: int = 18080) -> machines.VmRecord:
+    from apirctl.podman.servers import L_API, L_ISOLATION, L_MODEL, L_RPC_INSTANCE, L_RPC_LINK, L_TRANSPORT, L_VERSION
+
+    labels = {L_VERSION: "0", L_MODEL: "demo", L_API: f"http://127.0.0.1:{port}/v1", L_ISOLATION: "vm",
+              L_TRANSPORT: "rpc" if rpc_instance else "none"}
+    if rpc_instance:
+        labels |= {L_RPC_LINK: "unix", L_RPC_INSTANCE: rpc_instance}
+    return machines.VmRecord(name=name, id=secrets.token_hex(32), labels=labels, image="img", port=port,
+                             created=time.time(), accel="tcg", memory_mb=256, cpus=1, rpc_instance=rpc_instance)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _option(command: list[str], flag: str) -> list[str]:
+    return [command[i + 1] for i, arg in enumerate(command[:-1]) if arg == flag]
+
+
+def test_qemu_of_a_remoting_vm_forwards_exactly_one_address_to_a_socket_in_its_private_folder(tmp_path: Path) -> None:
+    files = boot.BootFiles(kernel=tmp_path / "k", initrd=tmp_path / "i", version="v")
+    rootfs = RootFs(path=tmp_path / "root.img", image_id="x", entrypoint=[], env={})
+    plain = machines.qemu_command(_record("plain"), files, rootfs, tmp_path / "m.gguf", "", 8000, "127.0.0.1")
+    assert "guestfwd" not in " ".join(plain) and "-chardev" not in plain
+    command = machines.qemu_command(_record("remote", "abcd1234"), files, rootfs, tmp_path / "m.gguf", "", 8000,
+                                    "127.0.0.1")
+    (netdev,) = _option(command, "-netdev")
+    parts = netdev.split(",")
+    assert "restrict=on" in parts
+    forwards = [p for p in parts if p.startswith("guestfwd=")]
+    assert forwards == [f"guestfwd=tcp:{machines.GUEST_RPC_ENDPOINT}-chardev:rpc"]
+    assert [p for p in parts if p.startswith("hostfwd=")] == ["hostfwd=tcp:127.0.0.1:18080-:8000"]
+    (chardev,) = _option(command, "-chardev")  # one chardev: a Unix socket, no TCP listener
+    assert chardev == f"socket,id=rpc,path={machines.folder('remote') / machines.RPC_SOCKET},server=on,wait=off"
+    assert "host=" not in chardev and "port=" not in chardev
+
+
+def _seccomp(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Seccomp:"):
+            return line.split()[1]
+    return ""
+
+
+def test_a_vms_backend_is_a_containers_sandboxed_and_capped_and_its_relay_serves_sessions_in_turn(
+        vm_build: object) -> None:
+    """The backend serve starts for a remoting VM is the one it starts for a container (one call, the
+    same arguments): it enters its sandbox (seccomp filter on) and its shared memory is capped at the
+    VM's memory. Through the relay, one stream carries three clients in turn, each its own session;
+    a client's garbage costs it its session, not the backend."""
+    instance = rpc_server.start_own_backend("vm-test", 1 * GIB)
+    try:
+        text = Path(f"/proc/{instance.pid}/environ").read_text()
+        environ = dict(e.split("=", 1) for e in text.split("\0") if "=" in e)
+        assert environ.get(backends.SHM_CAP_ENV) == str(GIB) and environ.get("GGML_SANDBOX", "1") != "0"
+        assert _seccomp(instance.pid) == "2"  # filter mode: the sandbox of llama_patches 0016
+        assert stat.S_IMODE(Path(instance.directory).stat().st_mode) == 0o700
+
+        guest, host = socket.socketpair()
+        relay = threading.Thread(target=Relay(host, instance.socket, Path(instance.log)).run, daemon=True)
+        relay.start()
+        guest.settimeout(30)
+        for _ in range(3):
+            assert rpc_client.hello(guest).startswith(f"{rpc_client.PROTOCOL_MAJOR}.")
+            assert rpc_client.device_count(guest) >= 1
+        guest.sendall(struct.pack("<BQ", 200, 4) + b"junk")  # an unknown command: the backend drops that session
+        assert rpc_client.hello(guest) and rpc_client.device_count(guest) >= 1  # the next one is served
+        guest.close()
+        relay.join(timeout=30)
+        assert not relay.is_alive()
+        log = Path(instance.log).read_text()
+        assert "Unknown command: 200" in log  # the junk went to the third session, which the backend dropped
+        assert log.count("Accepted client connection") == 5 and "session 4 began" in log  # a probe, then 4
+        assert backends.is_backend_process(instance.pid)
+    finally:
+        backends.stop(instance)
+
+
+@needs_qemu
+def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(vm_build: object, tmp_path: Path,
+                                                                         podman: str) -> None:
+    """Real QEMU (the guest is never waited for): its chardev socket is its owner's alone, the relay
+    keeps the backend (`ps` lists the VM as rpc on it, `logs` adds its lines), and ending the VM, by
+    `stop` or by SIGKILL, ends the relay and the backend."""
+    from apirctl import serve
+
+    files = boot.ensure_boot_files()
+    disk = tmp_path / "root.img"
+    disk.write_bytes(bytes(1 << 20))
+    rootfs = RootFs(path=disk, image_id="x", entrypoint=[], env={})
+    for name, ending in (("vm-stopped", "stop"), ("vm-killed", "kill")):
+        instance = rpc_server.start_own_backend(name, GIB)
+        record = machines.launch(_record(name, instance.id, _free_port()), files, rootfs, disk, ["/bin/true"], {}, 8000,
+                                 "127.0.0.1")
+        try:
+            backends.hand_over(instance, record.relay_pid)
+            where = machines.folder(name)
+            assert stat.S_IMODE(where.stat().st_mode) == 0o700
+            assert stat.S_IMODE((where / machines.RPC_SOCKET).stat().st_mode) == 0o600
+            wait_for("the relay to run", lambda r=record: machines.relay_alive(r), timeout=10)
+            assert backends.clean([]) == []  # kept by its relay, though no container keeps it
+            if ending == "stop":
+                listed = serve.find_server(name)
+                assert listed.transport == "rpc" and listed.rpc_instance == instance.id and listed.isolation == "vm"
+                shown = list(serve.logs(name))
+                assert any(line.startswith(f"--- host backend of {name}: ggml-rpc-server") for line in shown)
+                assert serve.stop(name) == [name]
+            else:
+                os.kill(record.pid, signal.SIGKILL)
+            wait_for("the backend to end with its VM", lambda i=instance: not backends.is_backend_process(i.pid),
+                     timeout=30)
+            wait_for("the relay to end", lambda r=record: not machines.relay_alive(r), timeout=30)
+            assert backends.get(instance.id) is None and not Path(instance.directory).exists()
+        finally:
+            machines.remove(name)
+            backends.stop(instance.id)
+        assert not machines.folder(name).exists()
