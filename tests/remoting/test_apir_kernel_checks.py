@@ -36,6 +36,7 @@ from tests.remoting.test_apir_host_native import (
     SHMEM_DESTROY,
     Client,
     apir_host,
+    asan_host,  # noqa: F401 - a fixture, used by name
     good_session,
     header,
     sealed_memfd,
@@ -473,3 +474,101 @@ def test_apirctl_starts_the_host_with_the_containers_memory_limit_as_its_cap(wit
         assert apir_hosts.get(host.id) is not None and apir_hosts.get(host.id).mem_cap == 96 * MiB  # type: ignore[union-attr]
     finally:
         apir_hosts.stop(host)
+
+
+# --- a result's room, and ops outside ggml's tables, on the release and the sanitized host -----------
+
+ROOM_BYTES = 4 * 4 * 4  # MUL_MAT's F32 [4,4] result
+
+
+@pytest.fixture(scope="module", params=["release", "sanitized"])
+def any_host(request: pytest.FixtureRequest, llama_build: llamacpp.Build,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """apir-host over the CPU library, as built and as built with ASan and UBSan (test_apir_host_native.py's
+    `asan_host`), which stops at its first report."""
+    exe = llama_build.binary("apir-host") if request.param == "release" else request.getfixturevalue("asan_host")
+    d = tmp_path_factory.mktemp(f"checks-{request.param}") / "apir"
+    d.mkdir(mode=0o700)
+    with apir_host(exe, llama_build, d) as served:
+        yield served
+        log = served[2].read_text(errors="replace")
+        assert "runtime error:" not in log and "Sanitizer" not in log, log[-3000:]
+
+
+def set_f32(c: ComputeClient, buffer: int, t: Tensor, values: list[float]) -> None:
+    data = struct.pack(f"<{len(values)}f", *values)
+    c.maps[DATA_RES][0:len(data)] = data
+    args = struct.pack("<Q", buffer) + t.to_rpc().to_bytes() + struct.pack("<IQQ", DATA_RES, 0, len(data))
+    assert c.call(FORWARD, 17, args)[0] == FORWARD_BASE  # buffer_set_tensor
+
+
+def mul_mat_into(c: ComputeClient, room: int) -> tuple[Graph, Tensor, int]:
+    """out = a x b (a and b F32 [16,4], all 1 and 2) with out F32 [4,4] alone in a buffer of `room` bytes."""
+    lay = Layout(c.buffer)
+    a = lay.t((16, 4), TYPE_F32, contiguous((16, 4), 4))
+    b = lay.t((16, 4), TYPE_F32, contiguous((16, 4), 4))
+    set_f32(c, c.buffer, a, [1.0] * 64)
+    set_f32(c, c.buffer, b, [2.0] * 64)
+    small = c.alloc(room)
+    assert small != 0
+    out = Layout(small).t((4, 4), TYPE_F32, contiguous((4, 4), 4), OP_MUL_MAT, [a, b], at=0)
+    return Layout(small).node(out), out, small
+
+
+def test_a_result_with_exactly_its_room_computes_and_one_byte_less_is_refused(
+        any_host: tuple[subprocess.Popen[bytes], Path, Path]) -> None:
+    """The rule that a result has the room its buffer's get_alloc_size asks for (0015's
+    `has_room_for_result`, for the ops `ggml_op_alloc_size_may_expand` names: MUL_MAT here) has no case of
+    its own on a CPU host: the CPU's buffer types answer ggml_nbytes, and the library refuses a tensor whose
+    ggml_nbytes runs past its buffer when it decodes it, before any rule runs. So the boundary is tested
+    as a client meets it: a result in exactly its room computes, one byte less is refused, and the host
+    serves on. The rule's own arithmetic, over a buffer type that asks for more (as CUDA's does), is
+    llama_patches/tests/node_check_test.cpp (test_node_check_native.py)."""
+    host, path, log = any_host
+    c = ComputeClient(path)
+    try:
+        graph, out, small = mul_mat_into(c, ROOM_BYTES)
+        assert c.compute(graph) == FORWARD_BASE
+        args = struct.pack("<Q", small) + out.to_rpc().to_bytes() + struct.pack("<IQQ", DATA_RES, 0, ROOM_BYTES)
+        assert c.call(FORWARD, 18, args)[0] == FORWARD_BASE  # buffer_get_tensor
+        assert list(struct.unpack("<16f", c.maps[DATA_RES][0:ROOM_BYTES])) == [32.0] * 16
+        graph, _, _ = mul_mat_into(c, ROOM_BYTES - 1)
+        assert c.compute(graph) == FORWARD_BASE + 1
+        assert c.closed_by_host()
+    finally:
+        c.close()
+    said = f"a tensor of {ROOM_BYTES} bytes at offset 0 of a buffer of {ROOM_BYTES - 1} bytes"
+    wait_for("the refusal logged", lambda: said in log.read_text(errors="replace"), 30)
+    legit_compute(path)
+    assert host.poll() is None
+
+
+OP_UNARY, OP_GLU, OP_COUNT = 91, 100, 101
+UNARY_COUNT, GLU_COUNT = 22, 7
+#: (op, op_params[0]) of nodes a hostile client sends: ggml_op_desc would index its name tables with them
+UNKNOWN_OPS = {"op-count": (OP_COUNT, 0), "op-far-past-the-table": (0x7FFFFFFF, 0), "op-all-ones": (0xFFFFFFFF, 0),
+               "unary-op-count": (OP_UNARY, UNARY_COUNT), "unary-op-negative": (OP_UNARY, -1),
+               "glu-op-count": (OP_GLU, GLU_COUNT), "glu-op-far-past-the-table": (OP_GLU, 0x7FFFFFFF)}
+
+
+@pytest.mark.parametrize("name", sorted(UNKNOWN_OPS))
+def test_a_node_of_an_unknown_op_is_refused_and_named_safely(
+        name: str, any_host: tuple[subprocess.Popen[bytes], Path, Path]) -> None:
+    """The library refuses the op's enums as it decodes the tensor (`apir_enums_are_known`), before any
+    rule or log line reads a name table: its line gives the numbers. (ggml_node_op_desc, which names
+    such a node "unknown op" where a host reaches it, is ggml-rpc's: test_rpc_graph_check.py, and
+    node_check_test.cpp under the sanitizers.)"""
+    host, path, log = any_host
+    op, param = UNKNOWN_OPS[name]
+    c = ComputeClient(path)
+    try:
+        lay = Layout(c.buffer)
+        a = lay.t((32,), TYPE_F32, contiguous((32,), 4))
+        assert c.compute(lay.node(lay.t((32,), TYPE_F32, contiguous((32,), 4), op, [a], [param]))) == FORWARD_BASE + 1
+        assert c.closed_by_host()
+    finally:
+        c.close()
+    said = f"a tensor with an unknown type {TYPE_F32} or op {op}\n"
+    wait_for("the refusal logged", lambda: said in log.read_text(errors="replace"), 30)
+    legit_compute(path)
+    assert host.poll() is None

@@ -5,12 +5,14 @@ types that only ggml's op constructors check. A graph the device does not suppor
 what a kernel assumes, must be refused before it computes: the server drops that connection (the
 protocol's answer to a bad command, GRAPH_COMPUTE has no reply) and serves the next client, whose
 valid graph computes. The server also answers SUPPORTS_OP, so an honest client never sends such a
-node.
+node. Every test runs against the release server and the one built with AddressSanitizer and
+UndefinedBehaviorSanitizer, which stops at a finding: a refusal that itself misbehaves fails the test.
 """
 
 from __future__ import annotations
 
 import array
+import os
 import socket
 import struct
 import subprocess
@@ -20,12 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.remoting.test_shm_native import SANITIZED_ENV, build_rpc_server, no_sanitizer_report
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Unix socket")]
 
 # commands and constants of the protocol (their numbers in ggml-rpc.cpp / ggml.h of the pinned source)
 ALLOC_BUFFER, BUFFER_GET_BASE, SET_TENSOR, GET_TENSOR, GRAPH_COMPUTE, HELLO, DEVICE_COUNT = 0, 3, 6, 8, 10, 14, 15
+GET_ALLOC_SIZE = 11
 SUPPORTS_OP = 22
 FEATURE_SUPPORTS_OP = 0x01  # rpc_msg_hello_rsp.features
 FLAG_COMPUTE = 16  # GGML_TENSOR_FLAG_COMPUTE: backends skip a node without it
@@ -33,8 +37,8 @@ F32, F16, Q8_0, IQ2_XXS, I32, I64, F64, BF16 = 0, 1, 8, 16, 26, 27, 28, 30
 BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), I64: (8, 1), F64: (8, 1), BF16: (2, 1), Q8_0: (34, 32),
          IQ2_XXS: (66, 256)}  # bytes, elements
 OP_NONE, OP_ADD, OP_MUL, OP_RMS_NORM, OP_MUL_MAT, OP_MUL_MAT_ID, OP_SCALE, OP_CPY = 0, 2, 7, 25, 29, 30, 32, 34
-OP_GET_ROWS, OP_SET_ROWS, OP_ROPE, OP_UNARY = 40, 42, 48, 91
-UNARY_ABS = 0
+OP_GET_ROWS, OP_SET_ROWS, OP_ROPE, OP_UNARY, OP_GLU, OP_COUNT = 40, 42, 48, 91, 100, 101
+UNARY_ABS, UNARY_COUNT, GLU_SWIGLU, GLU_COUNT = 0, 22, 2, 7
 # rpc_tensor: id, type, buffer, ne[4], nb[4], op, op_params[16], flags, src[10], view_src, view_offs, data,
 # name[64], use_count
 TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
@@ -85,8 +89,14 @@ class Session:
         self.sock.connect(str(path))
         answer = request(self.sock, HELLO, bytes(24))
         self.features = answer[3]
-        self.remote, _ = struct.unpack("<QQ", request(self.sock, ALLOC_BUFFER, struct.pack("<IQ", 0, BUFFER_SIZE)))
-        (self.base,) = struct.unpack("<Q", request(self.sock, BUFFER_GET_BASE, struct.pack("<Q", self.remote)))
+        self.remote, self.base = self.alloc(BUFFER_SIZE)
+
+    def alloc(self, size: int) -> tuple[int, int]:
+        """A buffer of `size` bytes on the CPU device: its id and base."""
+        remote, _ = struct.unpack("<QQ", request(self.sock, ALLOC_BUFFER, struct.pack("<IQ", 0, size)))
+        assert remote != 0
+        (base,) = struct.unpack("<Q", request(self.sock, BUFFER_GET_BASE, struct.pack("<Q", remote)))
+        return remote, base
 
     def at(self, tid: int, type_: int, ne: Sequence[int], offset: int, **kw: object) -> bytes:
         return tensor(tid, type_, ne, buffer=self.remote, data=self.base + offset, **kw)  # type: ignore[arg-type]
@@ -113,9 +123,17 @@ class Session:
         self.sock.close()
 
 
-@pytest.fixture
-def server(llama_build, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:  # type: ignore[no-untyped-def]
+@pytest.fixture(params=["release", "sanitized"])
+def server(request: pytest.FixtureRequest, llama_build, tmp_path: Path  # type: ignore[no-untyped-def]
+           ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """The build's ggml-rpc-server, or the one built with ASan and UBSan (tests/remoting/test_shm_native.py),
+    which stops at its first report: the test then finds it gone, and the report in its log."""
     path, log = tmp_path / "rpc.sock", tmp_path / "rpc.log"
+    if request.param == "release":
+        exe, env = llama_build.binary("ggml-rpc-server"), {}
+    else:
+        exe = build_rpc_server("sanitized-rpc-server", ["-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON"])
+        env = SANITIZED_ENV
 
     def connects() -> bool:
         with socket.socket(socket.AF_UNIX) as s:
@@ -126,11 +144,13 @@ def server(llama_build, tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes
         return True
 
     with log.open("wb") as out:
-        proc = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", f"unix:{path}", "-d", "CPU",
-                                 "-t", "1"], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([str(exe), "-H", f"unix:{path}", "-d", "CPU", "-t", "1"], stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, **env})
     try:
         wait_for("the rpc server's socket", lambda: path.exists() and connects(), 60)
         yield proc, path, log
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        no_sanitizer_report(log)
     finally:
         proc.kill()
         proc.wait()
@@ -324,3 +344,74 @@ def test_indices_in_range_compute_whether_given_or_computed(server) -> None:  # 
         assert not s.closed_by_server()
     finally:
         s.close()
+
+
+# --- a result's room, at its boundary ----------------------------------------------------------------
+
+ROOM_BYTES = 4 * 4 * 4  # MUL_MAT's F32 [4,4] result below
+
+
+def mul_mat_into(s: Session, room: int) -> tuple[list[int], list[bytes], bytes]:
+    """out = a x b (a and b F32 [16,4], all 1 and 2) with out F32 [4,4] alone in a buffer of `room` bytes."""
+    a, b = s.at(1, F32, [16, 4], 0), s.at(2, F32, [16, 4], 4096)
+    s.set(a, array.array("f", [1.0] * 64).tobytes())
+    s.set(b, array.array("f", [2.0] * 64).tobytes())
+    remote, base = s.alloc(room)
+    out = tensor(3, F32, [4, 4], buffer=remote, data=base, op=OP_MUL_MAT, src=[1, 2])
+    return [3], [a, b, out], out
+
+
+def test_a_result_with_exactly_its_room_computes_and_one_byte_less_is_refused(server) -> None:  # type: ignore[no-untyped-def]
+    """The rule that a result has the room its buffer's get_alloc_size asks for (0015's
+    `has_room_for_result`, for the ops `ggml_op_alloc_size_may_expand` names: MUL_MAT here) has no case
+    of its own on a CPU server: the CPU's buffer types answer ggml_nbytes, and deserialize_tensor
+    refuses a tensor whose ggml_nbytes runs past its buffer before any rule runs. So the boundary is
+    tested here as a client meets it: a result in exactly its room computes, one byte less is refused,
+    and the server serves on. The rule's own arithmetic, over a buffer type that asks for more (as
+    CUDA's does), is llama_patches/tests/node_check_test.cpp (test_node_check_native.py)."""
+    proc, path, log = server
+    s = Session(path)
+    try:
+        nodes, tensors, out = mul_mat_into(s, ROOM_BYTES)
+        s.compute(nodes, tensors)
+        assert list(array.array("f", s.get(out, ROOM_BYTES))) == [32.0] * 16
+        nodes, tensors, out = mul_mat_into(s, ROOM_BYTES - 1)
+        s.compute(nodes, tensors)
+        assert s.closed_by_server()
+    finally:
+        s.close()
+    wait_for("the refusal in the server's log", lambda: "out of buffer bounds" in log.read_text(errors="replace"), 10)
+    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+    add_computes(path)
+
+
+# --- ops outside ggml's tables --------------------------------------------------------------------
+
+#: (op, op_params[0]) of nodes a hostile client sends: ggml_op_desc indexes its name tables with them,
+#: and a load of ggml_op beyond its values is undefined (UBSan: "not a valid value for type 'ggml_op'")
+UNKNOWN_OPS = {"op-count": (OP_COUNT, 0), "op-far-past-the-table": (0x7FFFFFFF, 0), "op-all-ones": (0xFFFFFFFF, 0),
+               "unary-op-count": (OP_UNARY, UNARY_COUNT), "unary-op-negative": (OP_UNARY, -1),
+               "glu-op-count": (OP_GLU, GLU_COUNT), "glu-op-far-past-the-table": (OP_GLU, 0x7FFFFFFF)}
+
+
+@pytest.mark.parametrize("name", sorted(UNKNOWN_OPS))
+def test_a_node_of_an_unknown_op_is_refused_and_named_safely(server, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Refused (the rules' `op_is_known`), named "unknown op" in the refusal's log line
+    (`ggml_node_op_desc`), answered "unsupported" to SUPPORTS_OP, and the server serves on: under the
+    sanitizers, no read past a name table and no load of an invalid enum on the way."""
+    proc, path, log = server
+    op, param = UNKNOWN_OPS[name]
+    s = Session(path)
+    try:
+        node = s.at(2, F32, [32], 4096, op=op, src=[1], params=[param])
+        bare = tensor(2, F32, [32], op=op, src=[1], params=[param])
+        assert request(s.sock, SUPPORTS_OP, struct.pack("<I", 0) + bare + tensor(1, F32, [32]) +
+                       bytes(TENSOR.size * 9))[0] == 0
+        s.compute([2], [s.at(1, F32, [32], 0), node])
+        assert s.closed_by_server()
+    finally:
+        s.close()
+    wait_for("the refusal in the server's log",
+             lambda: "graph node 0 (unknown op, f32) is not supported" in log.read_text(errors="replace"), 10)
+    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+    add_computes(path)

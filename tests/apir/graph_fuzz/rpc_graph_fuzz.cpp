@@ -14,7 +14,10 @@
 //     FREE_BUFFER                    per buffer
 //
 // A server that refuses a message closes the connection; the harness connects again for the next
-// input. Built as apir_graph_fuzz.cpp is (build.py), against libggml-rpc and libggml-cpu.
+// input. libFuzzer's timer signal interrupts the harness's socket calls, which it retries (EINTR),
+// and never reaches the server's thread, which blocks it: before, an interrupted call on a fresh
+// connection stopped the campaign on an input that then replayed cleanly alone. Built as
+// apir_graph_fuzz.cpp is (build.py), against libggml-rpc and libggml-cpu.
 //
 // Environment: GFUZZ_VERBOSE=1 keeps the libraries' logs, GFUZZ_STATS=1 prints counts at exit, GFUZZ_DESCRIBE=1 prints each graph,
 // GFUZZ_COUNTS=DIR keeps the counts in a file there (graph_gen.h's map_counts).
@@ -24,10 +27,12 @@
 #include "ggml-cpu.h"
 #include "ggml-rpc.h"
 
+#include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -77,6 +82,9 @@ bool send_all(const void * p, size_t n) {
     const auto * b = (const uint8_t *) p;
     while (n > 0) {
         ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
         if (k <= 0) {
             return false;
         }
@@ -90,6 +98,9 @@ bool recv_all(void * p, size_t n) {
     auto * b = (uint8_t *) p;
     while (n > 0) {
         ssize_t k = recv(fd, b, n, 0);
+        if (k < 0 && errno == EINTR) {
+            continue;
+        }
         if (k <= 0) {
             return false;
         }
@@ -222,6 +233,15 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
     ggml_backend_dev_t cpu = ggml_backend_reg_dev_get(ggml_backend_cpu_reg(), 0);
     static std::string endpoint = "unix:" + socket_path;
     std::thread([cpu]() mutable {
+        // libFuzzer's timer (SIGALRM, every -timeout/2 s) and its other signals go to the fuzzing
+        // thread: a server's socket call they interrupt fails as a dropped client would (EINTR), and a
+        // real ggml-rpc-server gets no such signals
+        sigset_t async;
+        sigemptyset(&async);
+        for (int sig : { SIGALRM, SIGINT, SIGTERM, SIGUSR1, SIGUSR2, SIGXFSZ }) {
+            sigaddset(&async, sig);
+        }
+        pthread_sigmask(SIG_BLOCK, &async, nullptr);
         // the server's banner goes to stdout, which libFuzzer leaves alone
         ggml_backend_rpc_start_server(endpoint.c_str(), nullptr, 1, 1, &cpu);
     }).detach();

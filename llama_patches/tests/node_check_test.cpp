@@ -1,0 +1,208 @@
+// The parts of ggml_node_check (ggml/src/ggml-node-check.cpp, patches 0015 and 0018) that no client
+// of a CPU host can reach through either host's wire, tested on the function itself:
+//
+// - the room rule: a result of an op that ggml_op_alloc_size_may_expand names must have the room its
+//   buffer's get_alloc_size asks for. The CPU's buffer types answer ggml_nbytes, and both hosts refuse
+//   a tensor whose ggml_nbytes runs past its buffer while they decode it, before any rule runs; so
+//   here a buffer type that asks for PAD bytes more (as CUDA's does for FLASH_ATTN_EXT) places the
+//   result at the boundary: exactly the room passes, one byte less fails, and so does a result placed
+//   before its buffer or past its end. Nodes not yet placed (data == NULL, what supports_op asks), views
+//   and quantized results are not asked.
+// - ggml_node_op_desc: a node whose op, unary op or GLU op is out of range (what a hostile RPC client
+//   sends; apir-host's decoder refuses such enums before) fails the check and is named "unknown op";
+//   ggml_op_desc indexes its name tables with them unchecked.
+//
+// Built with -fsanitize=address,undefined against ggml's libraries of the same sanitized build, so a
+// read past a name table is a report, not a passing test. Prints "all node check tests passed".
+
+#include "ggml.h"
+#include "ggml-backend.h"
+#include "ggml-backend-impl.h"
+#include "ggml-node-check.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+static int failures = 0;
+
+#define EXPECT(cond, what)                                          \
+    do {                                                            \
+        if (!(cond)) {                                              \
+            fprintf(stderr, "FAILED: %s (%s)\n", what, #cond);      \
+            failures++;                                             \
+        }                                                           \
+    } while (0)
+
+static const size_t PAD = 96;  // the bytes a padded buffer type asks for after a result
+
+struct buffer_ctx {
+    std::vector<uint8_t> bytes;
+};
+
+static void   buffer_free(ggml_backend_buffer_t buffer) { delete (buffer_ctx *) buffer->context; }
+static void * buffer_base(ggml_backend_buffer_t buffer) { return ((buffer_ctx *) buffer->context)->bytes.data(); }
+
+static ggml_backend_buffer_t buft_alloc(ggml_backend_buffer_type_t buft, size_t size) {
+    ggml_backend_buffer_i iface = {};
+    iface.free_buffer = buffer_free;
+    iface.get_base    = buffer_base;
+    auto * ctx        = new buffer_ctx;
+    ctx->bytes.resize(size);
+    return ggml_backend_buffer_init(buft, iface, ctx, size);
+}
+
+static size_t buft_alignment(ggml_backend_buffer_type_t) { return 32; }
+
+static size_t padded_alloc_size(ggml_backend_buffer_type_t, const ggml_tensor * t) {
+    return ggml_nbytes(t) + (ggml_op_alloc_size_may_expand(t->op) ? PAD : 0);
+}
+
+static ggml_backend_buffer_type make_buft(bool padded) {
+    ggml_backend_buffer_type buft = {};
+    buft.iface.alloc_buffer       = buft_alloc;
+    buft.iface.get_alignment      = buft_alignment;
+    buft.iface.get_alloc_size     = padded ? padded_alloc_size : nullptr;  // nullptr: ggml_nbytes, as the CPU's
+    return buft;
+}
+
+// out = a x b, F32: a [16,4] and b [16,4] in `src_buf`, out [4,4] (64 bytes) at `offset` of `out_buf`
+struct mul_mat {
+    ggml_context * ctx;
+    ggml_tensor *  out;
+
+    mul_mat(ggml_backend_buffer_t src_buf, ggml_backend_buffer_t out_buf, size_t offset) {
+        ggml_init_params params = { 16 * ggml_tensor_overhead(), nullptr, true };
+        ctx                     = ggml_init(params);
+        ggml_tensor * a         = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 16, 4);
+        ggml_tensor * b         = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 16, 4);
+        a->buffer               = src_buf;
+        b->buffer               = src_buf;
+        a->data                 = (uint8_t *) ggml_backend_buffer_get_base(src_buf);
+        b->data                 = (uint8_t *) ggml_backend_buffer_get_base(src_buf) + 256;
+        out                     = ggml_mul_mat(ctx, a, b);
+        out->buffer             = out_buf;
+        out->data               = (uint8_t *) ggml_backend_buffer_get_base(out_buf) + offset;
+    }
+
+    ~mul_mat() { ggml_free(ctx); }
+};
+
+static void test_room(void) {
+    ggml_backend_buffer_type plain_type  = make_buft(false);
+    ggml_backend_buffer_type padded_type = make_buft(true);
+    ggml_backend_buffer_t    src         = ggml_backend_buft_alloc_buffer(&plain_type, 1024);
+    ggml_backend_buffer_t    padded      = ggml_backend_buft_alloc_buffer(&padded_type, 1024);
+    ggml_backend_buffer_t    plain       = ggml_backend_buft_alloc_buffer(&plain_type, 1024);
+    const size_t             nbytes      = 4 * 4 * sizeof(float);
+    {
+        mul_mat m(src, padded, 0);
+        EXPECT(ggml_nbytes(m.out) == nbytes, "the result's bytes");
+        EXPECT(ggml_backend_buffer_get_alloc_size(padded, m.out) == nbytes + PAD, "the padded type asks for more");
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_OK, "a result at the buffer's start");
+    }
+    {
+        mul_mat m(src, padded, 1024 - nbytes - PAD);
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_OK, "exactly the room get_alloc_size asks for");
+    }
+    {
+        // its own bytes fit (what the hosts' decoders check), the padding does not
+        mul_mat m(src, padded, 1024 - nbytes - PAD + 1);
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_FAILED, "one byte less than the room");
+    }
+    {
+        mul_mat m(src, padded, 1024 - nbytes);
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_FAILED, "the result's bytes and no padding");
+    }
+    {
+        mul_mat m(src, padded, 1024);
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_FAILED, "a result at the buffer's end");
+    }
+    {
+        mul_mat m(src, padded, 0);
+        m.out->data = (uint8_t *) ggml_backend_buffer_get_base(padded) + 1025;
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_FAILED, "a result past the buffer's end");
+        m.out->data = (uint8_t *) ggml_backend_buffer_get_base(padded) - 64;
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_FAILED, "a result before the buffer's base");
+    }
+    {
+        // a buffer type of ggml_nbytes (the CPU's): the same arithmetic at its boundary
+        mul_mat m(src, plain, 1024 - nbytes);
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_OK, "exactly ggml_nbytes of room in a CPU-like buffer");
+        m.out->data = (uint8_t *) ggml_backend_buffer_get_base(plain) + 1024 - nbytes + 1;
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_FAILED, "one byte less in a CPU-like buffer");
+    }
+    {
+        // not placed yet: what supports_op asks, and what the rule skips
+        mul_mat m(src, padded, 0);
+        m.out->buffer = nullptr;
+        m.out->data   = nullptr;
+        EXPECT(ggml_node_check(m.out) == GGML_NODE_CHECK_OK, "a result not placed yet");
+    }
+    {
+        // an op whose results are never larger than their bytes is not asked
+        ggml_init_params params = { 8 * ggml_tensor_overhead(), nullptr, true };
+        ggml_context *   ctx    = ggml_init(params);
+        ggml_tensor *    a      = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 16);
+        ggml_tensor *    b      = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 16);
+        a->buffer = b->buffer = src;
+        a->data               = ggml_backend_buffer_get_base(src);
+        b->data               = (uint8_t *) ggml_backend_buffer_get_base(src) + 64;
+        ggml_tensor * sum     = ggml_add(ctx, a, b);
+        sum->buffer           = padded;
+        sum->data             = (uint8_t *) ggml_backend_buffer_get_base(padded) + 1024 - 64;
+        EXPECT(ggml_node_check(sum) == GGML_NODE_CHECK_OK, "ADD's result needs its bytes only");
+        ggml_free(ctx);
+    }
+    ggml_backend_buffer_free(src);
+    ggml_backend_buffer_free(padded);
+    ggml_backend_buffer_free(plain);
+}
+
+static void test_op_desc(void) {
+    ggml_init_params params = { 8 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    a      = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 16);
+    ggml_tensor *    t      = ggml_abs(ctx, a);
+    EXPECT(strcmp(ggml_node_op_desc(t), "ABS") == 0, "a unary op is named by its unary op");
+    EXPECT(ggml_node_check(t) != GGML_NODE_CHECK_FAILED, "ABS of F32 rows");
+
+    const int32_t unary_ops[] = { GGML_UNARY_OP_COUNT, GGML_UNARY_OP_COUNT + 1000, -1, INT32_MIN };
+    for (int32_t op : unary_ops) {
+        t->op_params[0] = op;
+        EXPECT(strcmp(ggml_node_op_desc(t), "unknown op") == 0, "a unary op out of range");
+        EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "a unary op out of range fails");
+    }
+
+    ggml_tensor * g = ggml_swiglu(ctx, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 32));
+    EXPECT(strcmp(ggml_node_op_desc(g), "SWIGLU") == 0, "a GLU op is named by its GLU op");
+    const int32_t glu_ops[] = { GGML_GLU_OP_COUNT, GGML_GLU_OP_COUNT + 7, -1, INT32_MAX };
+    for (int32_t op : glu_ops) {
+        g->op_params[0] = op;
+        EXPECT(strcmp(ggml_node_op_desc(g), "unknown op") == 0, "a GLU op out of range");
+        EXPECT(ggml_node_check(g) == GGML_NODE_CHECK_FAILED, "a GLU op out of range fails");
+    }
+
+    ggml_tensor * n = ggml_add(ctx, a, a);
+    EXPECT(strcmp(ggml_node_op_desc(n), "ADD") == 0, "an op is named");
+    const uint32_t ops[] = { GGML_OP_COUNT, GGML_OP_COUNT + 1, 0x7fffffff, 0xffffffff };
+    for (uint32_t op : ops) {
+        memcpy(&n->op, &op, sizeof(op));  // as a host's decoder would store the client's bytes
+        EXPECT(strcmp(ggml_node_op_desc(n), "unknown op") == 0, "an op out of range");
+        EXPECT(ggml_node_check(n) == GGML_NODE_CHECK_FAILED, "an op out of range fails");
+    }
+    ggml_free(ctx);
+}
+
+int main(void) {
+    test_room();
+    test_op_desc();
+    if (failures) {
+        fprintf(stderr, "%d node check tests failed\n", failures);
+        return 1;
+    }
+    printf("all node check tests passed\n");
+    return 0;
+}
