@@ -14,7 +14,7 @@ older one keep the narrow records. FEATURE_OP_CLASSES (llama_patches 0020) chang
 reads: the host vouches that its backend's supports_op and get_alloc_size answers follow rules the
 frontend caches by op class, not by batch size; a library grants it only for the CPU and CUDA backends.
 FEATURE_GRAPH_DELTA (llama_patches 0021) offers EXT_GRAPH_DELTA: a graph the host keeps is updated by the
-records of the tensors whose shapes, strides, views or data moved (`Change`), named by their index in
+shapes, strides, view and data offsets of the tensors that moved (`Change`), named by their index in
 the serialization it was sent as, instead of being sent whole; the host checks them as a new graph's
 and answers RESULT_DELTA_REFUSED (the graph dropped, the frontend sends it whole) for one it does not take.
 
@@ -78,26 +78,39 @@ def encode_writes(writes: tuple[Write, ...] | list[Write], wide: bool = False) -
     return enc.getvalue()
 
 
-#: struct apir_graph_change: u32 index, u32 reserved, apir_rpc_tensor_wide (always wide)
-CHANGE_SIZE = 8 + RPC_TENSOR_WIDE_SIZE
+#: struct apir_graph_change: u32 index, u32 op, u64 id, u64 view_src (as kept: checked), u64 buffer,
+#: i64 ne[4], u64 nb[4], u64 view_offs, u64 data (what a delta may change)
+CHANGE_SIZE = 112
 
 
 @dataclass(frozen=True)
 class Change:
-    """A kept graph's tensor number `index` (in its serialization's order) is now `tensor`."""
+    """A kept graph's tensor number `index` (in its serialization's order) now has `tensor`'s buffer,
+    shape, strides, view offset and data offset; its id, op and view source are stated as kept."""
 
     index: int
     tensor: RpcTensor
-    reserved: int = 0
+
+    def encode(self, enc: Encoder) -> None:
+        t = self.tensor
+        enc.u32(self.index)
+        enc.u32(t.op)
+        enc.u64(t.id)
+        enc.u64(t.view_src)
+        enc.u64(t.buffer)
+        for n in t.ne:
+            enc.u64(n % (1 << 64))  # int64_t
+        for b in t.nb:
+            enc.u64(b)
+        enc.u64(t.view_offs)
+        enc.u64(t.data)
 
 
 def encode_changes(changes: tuple[Change, ...] | list[Change]) -> bytes:
     """EXT_GRAPH_DELTA's records as the host reads them from offset 0 of the request's resource."""
     enc = Encoder()
     for c in changes:
-        enc.u32(c.index)
-        enc.u32(c.reserved)
-        encode_rpc_tensor(enc, c.tensor, True)
+        c.encode(enc)
     return enc.getvalue()
 
 

@@ -202,5 +202,5 @@ def test_the_delta_seed_reaches_the_graph_delta_command() -> None:
     assert asks and struct.unpack("<Q", asks[0][2])[0] & extensions.FEATURE_GRAPH_DELTA
     first_delta = next(c for c in calls if c[0] == seeds_from_trace.EXT_GRAPH_DELTA)
     assert extensions.GraphRun.decode(first_delta[2], delta=True).n_changes == 4
-    assert len(first_delta[3]) == 4 * extensions.CHANGE_SIZE
+    assert len(first_delta[3]) == 4 * extensions.CHANGE_SIZE == 448
     assert any(f.name.startswith("wide-graph-delta-life-") for f in campaign.CORPUS.iterdir())

@@ -3,8 +3,8 @@
 llama.cpp's graph for a batch that gained or lost a request has the same nodes, ops and sources in
 other shapes. A client granted FEATURE_GRAPH_DELTA sends only the records that changed, by their index
 in the serialization the host keeps; the host updates its graph in place and checks what changed as it
-checks a new graph. Every delta it does not take (an index it does not have, another op or source, a
-shape past 32 bits without the wide records, a freed buffer, a node its checks refuse) is answered
+checks a new graph. Every delta it does not take (an index it does not have, another tensor, op or view
+source, a shape past 32 bits without the wide records, a freed buffer, a node its checks refuse) is answered
 RESULT_DELTA_REFUSED with nothing computed, and the graph is no longer kept: a later delta or run of the
 id is answered unknown, and the graph sent whole computes right. Answers are checked against numpy.
 """
@@ -20,6 +20,8 @@ from apirctl.apir import extensions
 from apirctl.apir.session import BackendProcess
 from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL, OP_MUL_MAT, Graph, Tensor
 
+OP_VIEW = 37  # ggml.h
+
 pytestmark = pytest.mark.integration
 
 Libs = tuple  # (backend library, GGML library, registration symbol)
@@ -34,15 +36,23 @@ class Batch:
     def __init__(self, buffer: int, n: int) -> None:
         self.a = Tensor((K, M), name="A", buffer=buffer)
         self.b = Tensor((K, n), name="B", buffer=buffer)
-        self.c = Tensor((M, n), name="C", buffer=buffer)
+        # C is the last n rows of a cache of N_MAX, as llama.cpp views its KV cache
+        self.cache = Tensor((M, N_MAX), name="cache", buffer=buffer)
+        self.c = Tensor((M, n), op=OP_VIEW, src=[self.cache], view_src=self.cache, name="C", buffer=buffer)
         self.mm = Tensor((M, n), op=OP_MUL_MAT, src=[self.a, self.b], name="A*B", buffer=buffer)
         self.out = Tensor((M, n), op=OP_ADD, src=[self.mm, self.c], name="A*B+C", flags=FLAG_OUTPUT, buffer=buffer)
         offset = 0
-        for t, rows in ((self.a, M), (self.b, N_MAX), (self.c, N_MAX), (self.mm, N_MAX), (self.out, N_MAX)):
+        for t, rows in ((self.a, M), (self.b, N_MAX), (self.cache, N_MAX), (self.mm, N_MAX), (self.out, N_MAX)):
             t.offset = offset
             offset += (rows * (K if t in (self.a, self.b) else M) * 4 + 63) // 64 * 64
         self.size = offset
+        self.place_view()
         self.graph = Graph([self.mm, self.out])
+
+    def place_view(self) -> None:
+        assert self.cache.offset is not None
+        self.c.view_offs = (N_MAX - self.n) * M * 4
+        self.c.offset = self.cache.offset + self.c.view_offs
 
     @property
     def n(self) -> int:
@@ -51,6 +61,7 @@ class Batch:
     def resize(self, n: int) -> None:
         for t in (self.b, self.c, self.mm, self.out):
             t.shape = (t.shape[0], n)
+        self.place_view()
 
     def records(self) -> list[bytes]:
         return [t.to_rpc().to_bytes(wide=True) for t in self.graph.tensors()]
@@ -184,11 +195,10 @@ def test_a_delta_naming_a_tensor_the_graph_does_not_have_is_refused(backend_libs
         n_tensors = len(batch.graph.tensors())
         _refused(proc, batch, extensions.Change(n_tensors, batch.out.to_rpc()))
         _refused(proc, batch, extensions.Change(0xFFFFFFFF, batch.out.to_rpc()))
-        # an index named twice, and a reserved field set
+        # an index named twice
         out = len(batch.graph.tensors()) - 1
         assert _delta(proc, [extensions.Change(out, batch.out.to_rpc())] * 2) == extensions.RESULT_DELTA_REFUSED
         _dropped(proc, batch)
-        _refused(proc, batch, extensions.Change(out, batch.out.to_rpc(), reserved=1))
 
 
 def _change_of(batch: Batch, t: Tensor, **fields: object) -> extensions.Change:
@@ -206,9 +216,12 @@ def test_a_delta_that_would_change_an_op_or_a_source_is_refused(backend_libs: Li
     with BackendProcess() as proc:
         batch = _kept(proc, backend_libs)
         _refused(proc, batch, _change_of(batch, batch.out, op=OP_MUL))
-        _refused(proc, batch, _change_of(batch, batch.out, src=[batch.c, batch.mm]))
-        _refused(proc, batch, _change_of(batch, batch.out, op_params=[1]))
-        _refused(proc, batch, _change_of(batch, batch.out, name="renamed"))
+        # C's source: the view of another tensor (what a change cannot say of other sources: it does
+        # not carry them)
+        _refused(proc, batch, _change_of(batch, batch.c, view_src=batch.b))
+        # a change that claims another tensor's id at an index
+        change = _change_of(batch, batch.out)
+        _refused(proc, batch, extensions.Change(change.index, _change_of(batch, batch.mm).tensor))
 
 
 @pytest.mark.parametrize("wanted", [DELTA, extensions.FEATURES])
@@ -254,6 +267,8 @@ def test_a_delta_that_leaves_a_node_the_checks_refuse_is_refused(backend_libs: L
         _refused(proc, batch, _change_of(batch, batch.c, offset=4096 - 64))
         # a source whose rows overlap (a zero stride): the rules of every node that reads it
         _refused(proc, batch, _change_of(batch, batch.b, strides=(4, 0)))
+        # a view past the end of its source, in the buffer
+        _refused(proc, batch, _change_of(batch, batch.c, view_offs=N_MAX * M * 4, offset=batch.mm.offset))
 
 
 def test_a_delta_is_refused_to_a_client_not_granted_it(backend_libs: Libs) -> None:

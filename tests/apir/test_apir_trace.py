@@ -246,8 +246,8 @@ def test_graph_deltas_count_their_changes_as_graph_bytes(tmp_path: Path) -> None
     """EXT_GRAPH_DELTA (llama_patches 0021): a compute whose graph travelled as its changed records."""
     data = apir_trace.MAGIC + b"".join([
         _graph_run(extensions.GraphRun(1, 2, 40_000, 40_064, 9)),  # sent
-        _graph_run(extensions.GraphRun(1, 2, 0, 3_392, 9, n_changes=10)),  # updated by 10 records
-        _graph_run(extensions.GraphRun(1, 2, 0, 3_392, 9, n_changes=10), extensions.RESULT_DELTA_REFUSED),
+        _graph_run(extensions.GraphRun(1, 2, 0, 1_152, 9, n_changes=10)),  # updated by 10 records
+        _graph_run(extensions.GraphRun(1, 2, 0, 1_152, 9, n_changes=10), extensions.RESULT_DELTA_REFUSED),
         _graph_run(extensions.GraphRun(1, 2, 40_000, 40_064, 9)),  # sent whole after the refusal
     ])
     records = apir_trace.read(data)

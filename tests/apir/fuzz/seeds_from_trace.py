@@ -59,6 +59,7 @@ EXT_GET_FEATURES, EXT_GRAPH_RUN, EXT_GRAPH_DELTA = N_FUNCTIONS + 1, N_FUNCTIONS 
 HANDLE_FIRST = {10, 11, 12, ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE, SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR,
                 FREE_BUFFER}
 RPC_BUFFER_AT = 16  # apir_rpc_tensor.buffer
+CHANGE_BUFFER_AT = 24  # apir_graph_change.buffer
 GGML_BUFFER_AT = 8  # ggml_tensor.buffer
 
 # ggml's enums at the pinned source (ggml.h)
@@ -390,7 +391,7 @@ def graph_delta_life(buft_call: Call | None) -> list[Call]:
     def delta(changes: list[extensions.Change]) -> Call:
         return Call(EXT_GRAPH_DELTA, extensions.GraphRun(1, RES_GRAPH, n_changes=len(changes)).encode(),
                     res=RES_GRAPH, res_bytes=extensions.encode_changes(changes),
-                    res_handle_offsets=[i * extensions.CHANGE_SIZE + 8 + RPC_BUFFER_AT for i in range(len(changes))],
+                    res_handle_offsets=[i * extensions.CHANGE_SIZE + CHANGE_BUFFER_AT for i in range(len(changes))],
                     wide=True)
 
     b, c, mm, result = tensors[1], tensors[3], tensors[2], tensors[4]
