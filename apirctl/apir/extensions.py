@@ -13,6 +13,10 @@ tensor record of the client `apir_rpc_tensor_wide` (`tensor.RpcTensorWideC`) and
 older one keep the narrow records. FEATURE_OP_CLASSES (llama_patches 0020) changes nothing the host
 reads: the host vouches that its backend's supports_op and get_alloc_size answers follow rules the
 frontend caches by op class, not by batch size; a library grants it only for the CPU and CUDA backends.
+FEATURE_GRAPH_DELTA (llama_patches 0021) offers EXT_GRAPH_DELTA: a graph the host keeps is updated by the
+shapes, strides, view and data offsets of the tensors that moved (`Change`), named by their index in
+the serialization it was sent as, instead of being sent whole; the host checks them as a new graph's
+and answers RESULT_DELTA_REFUSED (the graph dropped, the frontend sends it whole) for one it does not take.
 
 EXT_GRAPH_RUN is a generated token's whole exchange in one call: the writes of its inputs, the
 graph (sent once, then named by the client's id), and its outputs copied into shared memory.
@@ -27,16 +31,19 @@ from apirctl.apir.wire import Decoder, Encoder
 
 GET_FEATURES = 256
 GRAPH_RUN = 257
-NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run"}
+GRAPH_DELTA = 258
+NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run", GRAPH_DELTA: "ext_graph_delta"}
 
 FEATURE_GRAPH_RUN = 1 << 0
 FEATURE_WIDE_TENSORS = 1 << 1
 FEATURE_OP_CLASSES = 1 << 2
+FEATURE_GRAPH_DELTA = 1 << 3  # granted only with FEATURE_GRAPH_RUN
 #: what this library's host grants when asked
-FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES
+FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES | FEATURE_GRAPH_DELTA
 
 RESULT_DONE = 0
 RESULT_UNKNOWN_GRAPH = 1
+RESULT_DELTA_REFUSED = 2
 
 MAX_WRITES = 256
 MAX_OUTPUTS = 16
@@ -71,6 +78,42 @@ def encode_writes(writes: tuple[Write, ...] | list[Write], wide: bool = False) -
     return enc.getvalue()
 
 
+#: struct apir_graph_change: u32 index, u32 op, u64 id, u64 view_src (as kept: checked), u64 buffer,
+#: i64 ne[4], u64 nb[4], u64 view_offs, u64 data (what a delta may change)
+CHANGE_SIZE = 112
+
+
+@dataclass(frozen=True)
+class Change:
+    """A kept graph's tensor number `index` (in its serialization's order) now has `tensor`'s buffer,
+    shape, strides, view offset and data offset; its id, op and view source are stated as kept."""
+
+    index: int
+    tensor: RpcTensor
+
+    def encode(self, enc: Encoder) -> None:
+        t = self.tensor
+        enc.u32(self.index)
+        enc.u32(t.op)
+        enc.u64(t.id)
+        enc.u64(t.view_src)
+        enc.u64(t.buffer)
+        for n in t.ne:
+            enc.u64(n % (1 << 64))  # int64_t
+        for b in t.nb:
+            enc.u64(b)
+        enc.u64(t.view_offs)
+        enc.u64(t.data)
+
+
+def encode_changes(changes: tuple[Change, ...] | list[Change]) -> bytes:
+    """EXT_GRAPH_DELTA's records as the host reads them from offset 0 of the request's resource."""
+    enc = Encoder()
+    for c in changes:
+        c.encode(enc)
+    return enc.getvalue()
+
+
 @dataclass(frozen=True)
 class Output:
     """Graph node `node` copied to `offset` of the output resource after the compute."""
@@ -83,7 +126,9 @@ class Output:
 class GraphRun:
     """An EXT_GRAPH_RUN request. `graph_size` 0 names a graph the host keeps; else the graph's
     serialization is at offset 0 of `res_id` and is kept under `graph_id`. The `n_writes` records
-    of the writes are at `writes_offset` of `res_id` (`encode_writes`), not in the command."""
+    of the writes are at `writes_offset` of `res_id` (`encode_writes`), not in the command.
+    `n_changes` set: an EXT_GRAPH_DELTA, whose changes (`encode_changes`) are at offset 0 of `res_id`
+    and update the graph kept under `graph_id`."""
 
     graph_id: int
     res_id: int
@@ -92,12 +137,24 @@ class GraphRun:
     n_writes: int = 0
     out_res_id: int = 0
     outputs: tuple[Output, ...] = field(default=())
+    n_changes: int | None = None
+
+    @property
+    def command(self) -> int:
+        return GRAPH_RUN if self.n_changes is None else GRAPH_DELTA
+
+    @property
+    def graph_bytes(self) -> int:
+        """Bytes of graph the host reads: the serialization, or the changes."""
+        return self.graph_size + (self.n_changes or 0) * CHANGE_SIZE
 
     def encode(self) -> bytes:
         enc = Encoder()
         enc.u64(self.graph_id)
         enc.u32(self.res_id)
         enc.u64(self.graph_size)
+        if self.n_changes is not None:
+            enc.u32(self.n_changes)
         enc.u64(self.writes_offset)
         enc.u32(self.n_writes)
         enc.u32(self.out_res_id)
@@ -108,17 +165,20 @@ class GraphRun:
         return enc.getvalue()
 
     @classmethod
-    def decode(cls, data: bytes | memoryview) -> GraphRun:
-        """Raises `ApirDecodeError` on a cut request, ValueError on counts past the host's limits."""
+    def decode(cls, data: bytes | memoryview, delta: bool = False) -> GraphRun:
+        """Raises `ApirDecodeError` on a cut request, ValueError on counts past the host's limits
+        (`delta`: an EXT_GRAPH_DELTA's)."""
         dec = Decoder(data)
-        graph_id, res_id, graph_size, writes_offset, n_writes = dec.u64(), dec.u32(), dec.u64(), dec.u64(), dec.u32()
+        graph_id, res_id, graph_size = dec.u64(), dec.u32(), dec.u64()
+        n_changes = dec.u32() if delta else None
+        writes_offset, n_writes = dec.u64(), dec.u32()
         if n_writes > MAX_WRITES:
             raise ValueError(f"{n_writes} writes, more than the host takes ({MAX_WRITES})")
         out_res_id, n_outputs = dec.u32(), dec.u32()
         if n_outputs > MAX_OUTPUTS:
             raise ValueError(f"{n_outputs} outputs, more than the host takes ({MAX_OUTPUTS})")
         outputs = tuple(Output(dec.u32(), dec.u64()) for _ in range(n_outputs))
-        return cls(graph_id, res_id, graph_size, writes_offset, n_writes, out_res_id, outputs)
+        return cls(graph_id, res_id, graph_size, writes_offset, n_writes, out_res_id, outputs, n_changes)
 
 
 def decode_graph_run_reply(data: bytes | memoryview) -> tuple[int, int]:

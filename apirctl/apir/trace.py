@@ -35,6 +35,10 @@ HEADER = struct.Struct("<IIIIIIQQ")
 MAX_PART = 64 << 20
 
 
+#: the commands that carry a token's writes, graph and outputs
+_GRAPH_RUNS = (extensions.GRAPH_RUN, extensions.GRAPH_DELTA)
+
+
 class ApirTraceError(ValueError):
     """The file is not a trace, or is cut or corrupt at `offset`."""
 
@@ -121,9 +125,10 @@ class Record:
                               for k, v in messages.decode_request(fn, rest, wide=self.wide_tensors).items()}
             if fn.reply and self.ok:
                 out["reply"] = {k: messages.plain(v) for k, v in messages.decode_reply(fn, self.reply).items()}
-        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GRAPH_RUN:
-            run = extensions.GraphRun.decode(rest)
+        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags in _GRAPH_RUNS:
+            run = extensions.GraphRun.decode(rest, delta=self.cmd_flags == extensions.GRAPH_DELTA)
             out["request"] = {"graph_id": run.graph_id, "res_id": run.res_id, "graph_size": run.graph_size,
+                              **({} if run.n_changes is None else {"n_changes": run.n_changes}),
                               "writes_offset": run.writes_offset, "n_writes": run.n_writes,
                               "out_res_id": run.out_res_id,
                               "outputs": [{"node": o.node, "offset": o.offset} for o in run.outputs]}
@@ -146,12 +151,14 @@ class Record:
         return extensions.decode_features(self.reply)
 
     def graph_run(self) -> tuple[extensions.GraphRun, int] | None:
-        """An answered EXT_GRAPH_RUN's request and result, else None (also when it does not decode)."""
-        if not (self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GRAPH_RUN and self.ok
+        """An answered EXT_GRAPH_RUN's or EXT_GRAPH_DELTA's request and result, else None (also when it
+        does not decode)."""
+        if not (self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags in _GRAPH_RUNS and self.ok
                 and len(self.request) >= protocol.COMMAND_HEADER_SIZE):
             return None
         try:
-            run = extensions.GraphRun.decode(messages.decode_command(self.request)[3])
+            run = extensions.GraphRun.decode(messages.decode_command(self.request)[3],
+                                             delta=self.cmd_flags == extensions.GRAPH_DELTA)
             return run, extensions.decode_graph_run_reply(self.reply)[0]
         except (ApirDecodeError, ValueError):
             return None
@@ -165,7 +172,7 @@ class Record:
             except (ApirDecodeError, ValueError):
                 return 0
         found = self.graph_run()
-        return found[0].graph_size if found else 0
+        return found[0].graph_bytes if found else 0
 
     def problem(self) -> str | None:
         """Why the arguments do not decode, or None."""
@@ -330,17 +337,21 @@ class FunctionStats:
 @dataclass
 class GraphCache:
     """How the graphs of EXT_GRAPH_RUN travelled: named by id (`by_id`, the host's kept graph), sent
-    (`sent`, first use or changed), or named but no longer kept (`unknown`, sent again after)."""
+    (`sent`, first use or changed), updated by a delta (`delta`, EXT_GRAPH_DELTA: only the tensors whose
+    shapes or places changed), or named but no longer kept (`unknown`) or a delta not taken
+    (`delta_refused`), sent again after."""
 
     by_id: int = 0
     sent: int = 0
+    delta: int = 0
     unknown: int = 0
+    delta_refused: int = 0
     writes: int = 0
     outputs: int = 0
 
     def as_dict(self) -> dict[str, int]:
-        return {"by_id": self.by_id, "sent": self.sent, "unknown": self.unknown, "writes": self.writes,
-                "outputs": self.outputs}
+        return {"by_id": self.by_id, "sent": self.sent, "delta": self.delta, "unknown": self.unknown,
+                "delta_refused": self.delta_refused, "writes": self.writes, "outputs": self.outputs}
 
 
 @dataclass
@@ -379,11 +390,16 @@ class Summary:
             if result == extensions.RESULT_UNKNOWN_GRAPH:
                 cache.unknown += 1
                 return
+            if result == extensions.RESULT_DELTA_REFUSED:
+                cache.delta_refused += 1
+                return
             cache.writes += run.n_writes
             cache.outputs += len(run.outputs)
             if run.graph_id:
                 self.ext_computes += 1
-                if run.graph_size:
+                if run.n_changes is not None:
+                    cache.delta += 1
+                elif run.graph_size:
                     cache.sent += 1
                 else:
                     cache.by_id += 1

@@ -297,6 +297,7 @@ def _print_summary(summary: Any) -> None:
     if summary.graph_bytes_per_compute is not None:
         print(f"graph bytes the host read: {summary.graph_bytes_per_compute / 1e3:.1f} KB per compute")
     cache = summary.graph_cache
-    if cache.by_id or cache.sent or cache.unknown:
-        print(f"graph cache: {cache.by_id} computes named a kept graph, {cache.sent} sent one, {cache.unknown} named "
-              f"one the host no longer kept; {cache.writes} writes and {cache.outputs} outputs rode along")
+    if cache.by_id or cache.sent or cache.unknown or cache.delta:
+        print(f"graph cache: {cache.by_id} computes named a kept graph, {cache.sent} sent one, {cache.delta} updated "
+              f"one by a delta, {cache.unknown} named one the host no longer kept, {cache.delta_refused} deltas were "
+              f"refused; {cache.writes} writes and {cache.outputs} outputs rode along")

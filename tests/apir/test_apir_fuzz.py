@@ -189,3 +189,18 @@ def test_earlier_findings_stay_fixed(fuzzer: Path) -> None:
     assert inputs
     done = campaign.replay(fuzzer, inputs)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_the_delta_seed_reaches_the_graph_delta_command() -> None:
+    """EXT_GRAPH_DELTA (llama_patches 0021) has a decoder of its own: a seed takes it, after a graph
+    kept in the wide records, with a delta that applies, one the host refuses, and one after a free."""
+    found = seeds_from_trace.seeds(seeds_from_trace.calls_from_trace(trace.read(sample_trace())))
+    calls = calls_of(found["wide-graph-delta-life"])
+    fns = [c[0] for c in calls]
+    assert fns.count(seeds_from_trace.EXT_GRAPH_DELTA) == 3 and seeds_from_trace.EXT_GRAPH_RUN in fns
+    asks = [c for c in calls if c[0] == seeds_from_trace.EXT_GET_FEATURES]
+    assert asks and struct.unpack("<Q", asks[0][2])[0] & extensions.FEATURE_GRAPH_DELTA
+    first_delta = next(c for c in calls if c[0] == seeds_from_trace.EXT_GRAPH_DELTA)
+    assert extensions.GraphRun.decode(first_delta[2], delta=True).n_changes == 4
+    assert len(first_delta[3]) == 4 * extensions.CHANGE_SIZE == 448
+    assert any(f.name.startswith("wide-graph-delta-life-") for f in campaign.CORPUS.iterdir())

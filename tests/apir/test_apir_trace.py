@@ -208,7 +208,7 @@ def test_cli_missing_file_and_no_trace(tmp_path: Path) -> None:
 
 
 def _graph_run(run: extensions.GraphRun, result: int = extensions.RESULT_DONE) -> bytes:
-    request = messages.encode_command(protocol.CommandType.FORWARD, extensions.GRAPH_RUN, 1) + run.encode()
+    request = messages.encode_command(protocol.CommandType.FORWARD, run.command, 1) + run.encode()
     return apir_trace.encode_record(request, struct.pack("<Ii", result, 0))
 
 
@@ -225,7 +225,8 @@ def test_graph_runs_count_as_computes_and_show_how_their_graphs_travelled() -> N
     assert {r.name for r in records} == {"ext_graph_run"}
     summary = apir_trace.summarize(records)
     assert summary.computes == 3
-    assert summary.graph_cache.as_dict() == {"by_id": 1, "sent": 2, "unknown": 1, "writes": 30, "outputs": 6}
+    assert summary.graph_cache.as_dict() == {"by_id": 1, "sent": 2, "delta": 0, "unknown": 1, "delta_refused": 0,
+                                             "writes": 30, "outputs": 6}
     assert summary.graph_bytes_per_compute == 8000 / 3
     assert summary.calls_per_compute == 5 / 3
     args = records[1].arguments()
@@ -239,3 +240,26 @@ def test_a_graph_run_past_the_hosts_limits_is_a_problem_not_a_crash() -> None:
     assert record.problem() is not None and "writes" in str(record.problem())
     assert record.graph_run() is None
     assert apir_trace.summarize([record]).computes == 0
+
+
+def test_graph_deltas_count_their_changes_as_graph_bytes(tmp_path: Path) -> None:
+    """EXT_GRAPH_DELTA (llama_patches 0021): a compute whose graph travelled as its changed records."""
+    data = apir_trace.MAGIC + b"".join([
+        _graph_run(extensions.GraphRun(1, 2, 40_000, 40_064, 9)),  # sent
+        _graph_run(extensions.GraphRun(1, 2, 0, 1_152, 9, n_changes=10)),  # updated by 10 records
+        _graph_run(extensions.GraphRun(1, 2, 0, 1_152, 9, n_changes=10), extensions.RESULT_DELTA_REFUSED),
+        _graph_run(extensions.GraphRun(1, 2, 40_000, 40_064, 9)),  # sent whole after the refusal
+    ])
+    records = apir_trace.read(data)
+    assert [r.name for r in records] == ["ext_graph_run", "ext_graph_delta", "ext_graph_delta", "ext_graph_run"]
+    assert records[1].arguments()["request"]["n_changes"] == 10
+    summary = apir_trace.summarize(records)
+    assert summary.computes == 3
+    assert summary.graph_cache.delta == 1 and summary.graph_cache.delta_refused == 1 and summary.graph_cache.sent == 2
+    assert summary.graph_bytes == 80_000 + 2 * 10 * extensions.CHANGE_SIZE
+    path = tmp_path / "delta.trace"
+    path.write_bytes(data)
+    done = run_cli("apir", "trace", str(path), "--summary")
+    assert done.returncode == 0, done.stderr
+    assert "1 updated one by a delta" in done.stdout and "1 deltas were refused" in done.stdout
+    assert "forwarded calls per compute" in done.stdout and "KB per compute" in done.stdout

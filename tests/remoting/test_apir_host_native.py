@@ -673,10 +673,12 @@ def test_graph_run_keeps_graphs_by_id_and_refuses_what_it_must(asan_host: Path, 
 
 def forwarded_between_computes(records: list[apir_trace.Record]) -> list[int]:
     """For each generated token after the first two computes: the forwarded calls from one compute to
-    the next (1 when the compute is the token's only call)."""
+    the next (1 when the compute is the token's only call). A graph run answered unknown or a delta
+    refused computed nothing: the call that sends the graph again is the compute."""
     forwarded = [r for r in records if r.cmd_type == FORWARD]
     computes = [i for i, r in enumerate(forwarded)
-                if r.name == "backend_graph_compute" or ((found := r.graph_run()) and found[0].graph_id)]
+                if r.name == "backend_graph_compute" or ((found := r.graph_run()) and found[0].graph_id
+                                                         and found[1] == extensions.RESULT_DONE)]
     return [b - a for a, b in zip(computes[1:], computes[2:], strict=False)]
 
 
@@ -699,7 +701,9 @@ def test_graph_run_gives_native_tokens_in_one_call_per_token(llama_build: llamac
     off, between_off = summaries["0"]
     cache = on.graph_cache
     assert on.computes >= 24 and "backend_graph_compute" not in on.functions
-    assert cache.by_id >= 20 and cache.sent <= 3 and cache.unknown == 0, cache
+    # with APIR_FEATURE_GRAPH_DELTA (0021) the first decode graph is a delta of the prompt's, which the
+    # KV cache's clear at the request's start made the host drop: answered unknown once, sent whole
+    assert cache.by_id >= 20 and cache.sent + cache.delta <= 3 and cache.unknown <= 1, cache
     # generation: the compute is each token's only call (the first gap still has the server's start-up)
     assert len(between_on) >= 16 and set(between_on[1:]) == {1}, between_on
     if shared_buffers == "0":  # a GPU host's path: the inputs ride with the compute, the logits come back with it
@@ -732,7 +736,9 @@ def test_graph_run_follows_graphs_that_change_shape(llama_build: llamacpp.Build,
             remote = greedy_tokens(url, n)
     assert remote == native
     cache = apir_trace.summarize(apir_trace.read(trace.read_bytes())).graph_cache
-    assert cache.sent >= 3 and cache.by_id >= n // 2 and cache.unknown == 0, cache
+    # a graph of the same nodes in other shapes may travel as a delta (0021); one may meet a graph the
+    # KV cache's clear dropped (answered unknown, then sent whole)
+    assert cache.sent + cache.delta >= 3 and cache.by_id >= n // 2 and cache.unknown <= 1, cache
 
 
 # --- indices: GET_ROWS, SET_ROWS and MUL_MAT_ID read them from tensor data while they compute -------

@@ -11,8 +11,8 @@
 //             req_len bytes of request fields (without the 12-byte command header)
 //             res_len bytes written into a shared resource before the call (when sel names one)
 //
-//   fn      the function index, modulo 26 (23 is one past the table: the index check; 24 and 25 are
-//           the extension commands 256 and 257 of backend/shared/apir_backend_ext.h)
+//   fn      the function index, modulo 27 (23 is one past the table: the index check; 24, 25 and 26
+//           are the extension commands 256, 257 and 258 of backend/shared/apir_backend_ext.h)
 //   sel     bits 0-2: resource 1-4 to write the res bytes into (0, 5-7: none), at res_off modulo its
 //           size, cut at its end; bit 6: the call comes from a second guest context (ctx 2, not 1);
 //           bit 7: the reply area is 16 bytes instead of apir-host's 16 KiB - 4
@@ -70,7 +70,7 @@ uint32_t apir_backend_dispatcher(uint32_t ctx_id, apir_fuzz_callbacks * cbs, uin
 namespace {
 
 constexpr uint32_t N_FUNCTIONS         = 23;
-constexpr uint32_t N_EXTENSIONS        = 2;  // after the index check: commands 256, 257
+constexpr uint32_t N_EXTENSIONS        = 3;  // after the index check: commands 256, 257, 258
 constexpr uint32_t EXT_BASE            = 256;
 constexpr uint32_t FN_GET_BUFFER_TYPE  = 7;
 constexpr uint32_t FN_BUFFER_FROM_PTR  = 9;

@@ -53,12 +53,13 @@ SUPPORTS_OP, GET_BUFFER_TYPE, BUFFER_FROM_PTR = 6, 7, 9
 ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE = 14, 15, 16
 SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR, FREE_BUFFER, GRAPH_COMPUTE = 17, 18, 19, 20, 21, 22
 N_FUNCTIONS = 23
-# the harness's numbers for the extension commands (llama_patches 0013): 256 and 257 on the wire
-EXT_GET_FEATURES, EXT_GRAPH_RUN = N_FUNCTIONS + 1, N_FUNCTIONS + 2
+# the harness's numbers for the extension commands (llama_patches 0013, 0021): 256 to 258 on the wire
+EXT_GET_FEATURES, EXT_GRAPH_RUN, EXT_GRAPH_DELTA = N_FUNCTIONS + 1, N_FUNCTIONS + 2, N_FUNCTIONS + 3
 # the functions whose request starts with a buffer-type or buffer handle
 HANDLE_FIRST = {10, 11, 12, ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE, SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR,
                 FREE_BUFFER}
 RPC_BUFFER_AT = 16  # apir_rpc_tensor.buffer
+CHANGE_BUFFER_AT = 24  # apir_graph_change.buffer
 GGML_BUFFER_AT = 8  # ggml_tensor.buffer
 
 # ggml's enums at the pinned source (ggml.h)
@@ -371,6 +372,40 @@ def graph_run_life(buft_call: Call | None, wide: bool = False) -> list[Call]:
     return out
 
 
+def graph_delta_life(buft_call: Call | None) -> list[Call]:
+    """EXT_GRAPH_DELTA (wide records, as the feature is asked with them): a graph kept under an id, then
+    updated by a delta of a smaller batch, by one the host refuses (another op), named after the refusal,
+    and updated after its buffer was freed."""
+    buft = buft_call.produces[0] if buft_call and buft_call.produces else 0x1000
+    buffer = 0xB0FFE6
+    out = [buft_call] if buft_call else []
+    out.append(Call(ALLOC_BUFFER, U64.pack(buft) + U64.pack(RES_SIZE), [0], produces=[buffer], wide=True))
+    graph = graph_matmul_add(buffer)
+    data = graph.serialize(True)
+    first = 4 + 8 * len(graph.nodes) + 4
+    tensors = graph.tensors()
+    graph_offsets = [first + i * rpc_tensor_size(True) + RPC_BUFFER_AT for i in range(len(tensors))]
+    out.append(Call(EXT_GRAPH_RUN, extensions.GraphRun(1, RES_GRAPH, len(data)).encode(), res=RES_GRAPH,
+                    res_bytes=data, res_handle_offsets=graph_offsets, wide=True))
+
+    def delta(changes: list[extensions.Change]) -> Call:
+        return Call(EXT_GRAPH_DELTA, extensions.GraphRun(1, RES_GRAPH, n_changes=len(changes)).encode(),
+                    res=RES_GRAPH, res_bytes=extensions.encode_changes(changes),
+                    res_handle_offsets=[i * extensions.CHANGE_SIZE + CHANGE_BUFFER_AT for i in range(len(changes))],
+                    wide=True)
+
+    b, c, mm, result = tensors[1], tensors[3], tensors[2], tensors[4]
+    for t in (b, c, mm, result):
+        t.shape = (t.shape[0], 4)
+    out.append(delta([extensions.Change(tensors.index(t), t.to_rpc()) for t in (b, mm, c, result)]))
+    result.op = OP_MUL
+    out.append(delta([extensions.Change(tensors.index(result), result.to_rpc())]))
+    out.append(Call(EXT_GRAPH_RUN, extensions.GraphRun(1, RES_GRAPH).encode(), wide=True))
+    out.append(Call(FREE_BUFFER, U64.pack(buffer), [0], wide=True))
+    out.append(delta([extensions.Change(tensors.index(b), b.to_rpc())]))
+    return out
+
+
 def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict[str, bytes]:
     """Named seed inputs from the trace's calls."""
     out: dict[str, bytes] = {"session-start": encode_input(calls[:48])}
@@ -394,6 +429,7 @@ def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict
     # the wide records, negotiated: their decoding, and graphs and writes in them
     out["wide-buffer-life"] = encode_input(buffer_life(buft, wide=True))
     out["wide-graph-run-life"] = encode_input(graph_run_life(buft, wide=True))
+    out["wide-graph-delta-life"] = encode_input(graph_delta_life(buft))
     last_buffer = next((c.produces[0] for c in reversed(calls) if c.fn in (BUFFER_FROM_PTR, ALLOC_BUFFER)
                         and c.produces and c.produces[0]), 0)
     if last_buffer:
