@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from apirctl.apir import extensions, table
-from apirctl.apir import trace as apir_trace
 from apirctl.apir.tensor import FLAG_OUTPUT, OP_ADD, OP_MUL, Graph, Tensor
 from apirctl.build import llamacpp
 from tests.remoting.test_apir_host_native import (  # noqa: F401 (asan_host, workdir: fixtures)
@@ -34,8 +33,7 @@ from tests.remoting.test_apir_host_native import (  # noqa: F401 (asan_host, wor
     asan_host,
     workdir,
 )
-from tests.remoting.test_apir_op_classes import plan, run_load
-from tests.support import build_servers
+from tests.remoting.test_apir_op_classes import native_tokens_through_apir
 from tests.support.bench_helpers import run_cli
 
 pytestmark = pytest.mark.integration
@@ -46,22 +44,11 @@ STREAMS = 8
 @pytest.mark.slow
 def test_eight_streams_that_join_and_leave_take_deltas_and_keep_native_tokens(
         llama_build: llamacpp.Build, demo_model: Path, workdir: Path) -> None:  # noqa: F811
-    flags = ["-np", str(STREAMS), "-c", str(128 * STREAMS)]
-    requests = plan(STREAMS)
-    with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "0", *flags]) as (_, url, _log):
-        native = run_load(url, requests)
-
+    traces = native_tokens_through_apir(llama_build, demo_model, workdir, STREAMS, 128,
+                                        {"whole": {"GGML_VIRTGPU_GRAPH_DELTA": "0"}, "delta": {}},
+                                        extensions.FEATURE_GRAPH_DELTA, "delta")
     summaries = {}
-    for mode, env in (("whole", {"GGML_VIRTGPU_GRAPH_DELTA": "0"}), ("delta", {})):
-        trace = workdir / f"trace-{mode}.bin"
-        with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, _host_log):
-            remote_env = {"GGML_VIRTGPU_SOCKET": str(path), "GGML_VIRTGPU_SHARED_BUFFERS": "0", **env}
-            with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "99", *flags],
-                                            remote_env) as (_, url, _log):
-                assert run_load(url, requests) == native, mode
-        records = apir_trace.read(trace.read_bytes())
-        granted = [g for r in records if (g := r.features_granted()) is not None]
-        assert granted and all(bool(g & extensions.FEATURE_GRAPH_DELTA) == (mode == "delta") for g in granted)
+    for mode, trace in traces.items():
         done = run_cli("apir", "trace", str(trace), "--summary", "--json")
         assert done.returncode == 0, done.stderr
         summaries[mode] = json.loads(done.stdout)["summary"]

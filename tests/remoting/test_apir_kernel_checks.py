@@ -303,6 +303,13 @@ class ComputeClient(Client):
         return self.call(FORWARD, GRAPH_COMPUTE, struct.pack("<IQ", DATA_RES, len(data)))[0]
 
 
+def refused_and_serving(host: subprocess.Popen[bytes], path: Path, log: Path, said: str) -> None:
+    """The host logged the refusal `said`, computes for a new client, and lives."""
+    wait_for("the refusal logged", lambda: said in log.read_text(errors="replace"), 30)
+    legit_compute(path)
+    assert host.poll() is None
+
+
 def legit_compute(path: Path) -> None:
     """out = x + y on a new connection, checked: the host still computes."""
     c = ComputeClient(path)
@@ -537,10 +544,8 @@ def test_a_result_with_exactly_its_room_computes_and_one_byte_less_is_refused(
         assert c.closed_by_host()
     finally:
         c.close()
-    said = f"a tensor of {ROOM_BYTES} bytes at offset 0 of a buffer of {ROOM_BYTES - 1} bytes"
-    wait_for("the refusal logged", lambda: said in log.read_text(errors="replace"), 30)
-    legit_compute(path)
-    assert host.poll() is None
+    refused_and_serving(host, path, log,
+                        f"a tensor of {ROOM_BYTES} bytes at offset 0 of a buffer of {ROOM_BYTES - 1} bytes")
 
 
 OP_UNARY, OP_GLU, OP_COUNT = 91, 100, 101
@@ -568,7 +573,4 @@ def test_a_node_of_an_unknown_op_is_refused_and_named_safely(
         assert c.closed_by_host()
     finally:
         c.close()
-    said = f"a tensor with an unknown type {TYPE_F32} or op {op}\n"
-    wait_for("the refusal logged", lambda: said in log.read_text(errors="replace"), 30)
-    legit_compute(path)
-    assert host.poll() is None
+    refused_and_serving(host, path, log, f"a tensor with an unknown type {TYPE_F32} or op {op}\n")

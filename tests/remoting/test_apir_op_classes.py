@@ -70,6 +70,29 @@ def run_load(url: str, requests: list[list[tuple[str, int]]]) -> dict[str, list[
     return tokens
 
 
+def native_tokens_through_apir(llama_build: llamacpp.Build, demo_model: Path, workdir: Path, streams: int,  # noqa: F811
+                                context_per_stream: int, modes: dict[str, dict[str, str]], feature: int,
+                                feature_mode: str) -> dict[str, Path]:
+    """The load of `plan(streams)` on native llama-server, then through apir-host once per mode (its
+    frontend environment): every mode's tokens are native's, and `feature` was granted in `feature_mode`
+    alone. Returns each mode's apir-host trace."""
+    flags = ["-np", str(streams), "-c", str(context_per_stream * streams)]
+    requests = plan(streams)
+    with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "0", *flags]) as (_, url, _log):
+        native = run_load(url, requests)
+    traces = {}
+    for mode, env in modes.items():
+        trace = traces[mode] = workdir / f"trace-{mode}.bin"
+        with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, _host_log):
+            remote_env = {"GGML_VIRTGPU_SOCKET": str(path), "GGML_VIRTGPU_SHARED_BUFFERS": "0", **env}
+            with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "99", *flags],
+                                            remote_env) as (_, url, _log):
+                assert run_load(url, requests) == native, mode
+        granted = [g for r in apir_trace.read(trace.read_bytes()) if (g := r.features_granted()) is not None]
+        assert granted and all(bool(g & feature) == (mode == feature_mode) for g in granted), mode
+    return traces
+
+
 def questions_after_the_first_compute(trace: Path) -> tuple[int, dict[str, int]]:
     """Decode steps after the first, and the questions asked between them, by function."""
     forwarded = [r for r in apir_trace.read(trace.read_bytes()) if r.cmd_type == protocol.CommandType.FORWARD]
@@ -83,22 +106,10 @@ def questions_after_the_first_compute(trace: Path) -> tuple[int, dict[str, int]]
 @pytest.mark.parametrize("streams", [1, 4])
 def test_a_new_batch_size_is_not_a_new_round_of_questions(llama_build: llamacpp.Build, demo_model: Path,
                                                           workdir: Path, streams: int) -> None:  # noqa: F811
-    flags = ["-np", str(streams), "-c", str(256 * streams)]
-    requests = plan(streams)
-    with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "0", *flags]) as (_, url, _log):
-        native = run_load(url, requests)
-
-    asked = {}
-    for mode, env in (("exact", {"GGML_VIRTGPU_OP_CLASSES": "0"}), ("classes", {})):
-        trace = workdir / f"trace-{mode}.bin"
-        with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, _host_log):
-            remote_env = {"GGML_VIRTGPU_SOCKET": str(path), "GGML_VIRTGPU_SHARED_BUFFERS": "0", **env}
-            with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "99", *flags],
-                                            remote_env) as (_, url, _log):
-                assert run_load(url, requests) == native, mode
-        granted = [g for r in apir_trace.read(trace.read_bytes()) if (g := r.features_granted()) is not None]
-        assert granted and all(bool(g & extensions.FEATURE_OP_CLASSES) == (mode == "classes") for g in granted)
-        asked[mode] = questions_after_the_first_compute(trace)
+    traces = native_tokens_through_apir(llama_build, demo_model, workdir, streams, 256,
+                                        {"exact": {"GGML_VIRTGPU_OP_CLASSES": "0"}, "classes": {}},
+                                        extensions.FEATURE_OP_CLASSES, "classes")
+    asked = {mode: questions_after_the_first_compute(trace) for mode, trace in traces.items()}
 
     (steps, exact), (_, classes) = asked["exact"], asked["classes"]
     total_exact, total_classes = sum(exact.values()), sum(classes.values())
