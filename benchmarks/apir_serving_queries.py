@@ -6,11 +6,12 @@ Before the graph can be computed the frontend asks the host about the ops it has
 per decode step (a graph compute), in apir-host's own trace, for a build's llama-server through the
 build's apir-host on the CPU: the counts do not depend on the hardware, only on the calls.
 
-For each number of streams, the same requests run natively and then through apir-host twice: with
-the frontend's answers kept per exact shape (`GGML_VIRTGPU_OP_CLASSES=0`) and per op class (the
-default where the host grants APIR_FEATURE_OP_CLASSES). Each stream sends `--requests` requests in
-turn, of different lengths, so that the streams join and leave at different steps; the greedy tokens
-of every request are compared with native's.
+For each number of streams, the same requests run natively and then through apir-host three times:
+with the frontend's answers kept per exact shape (`GGML_VIRTGPU_OP_CLASSES=0`), per op class (the
+default where the host grants APIR_FEATURE_OP_CLASSES), and per op class with kept graphs updated by
+deltas (APIR_FEATURE_GRAPH_DELTA, off in the first two: `GGML_VIRTGPU_GRAPH_DELTA=0`). Each stream
+sends `--requests` requests in turn, of different lengths, so that the streams join and leave at
+different steps; the greedy tokens of every request are compared with native's.
 
     python benchmarks/apir_serving_queries.py --bin-dir BUILD/bin --model MODEL.gguf \\
         [--streams 1 4] [--requests 3] [--tokens 12] [--json FILE]
@@ -46,6 +47,11 @@ from apirctl.apir import trace as apir_trace  # noqa: E402
 from apirctl.build import llamacpp  # noqa: E402
 
 QUERIES = ("device_supports_op", "buffer_type_get_alloc_size")
+#: the frontend's settings compared: answers per exact shape (and whole graphs), per op class (and
+#: whole graphs), per op class with kept graphs updated by deltas (the default where the host grants both)
+MODES = (("exact", {"GGML_VIRTGPU_OP_CLASSES": "0", "GGML_VIRTGPU_GRAPH_DELTA": "0"}),
+         ("op_classes", {"GGML_VIRTGPU_GRAPH_DELTA": "0"}),
+         ("op_classes_and_deltas", {}))
 
 
 def free_port() -> int:
@@ -170,6 +176,9 @@ def count(records: list[apir_trace.Record]) -> dict[str, Any]:
                                                                                "backend_graph_compute")).items())),
         "round_trips_per_step": round((queries + others + steps) / steps, 3) if steps else None,
         "graphs_sent": summary.graph_cache.sent,
+        "graph_deltas": summary.graph_cache.delta,
+        "graph_deltas_refused": summary.graph_cache.delta_refused,
+        "graphs_unknown": summary.graph_cache.unknown,
         "graph_bytes_per_step": round(summary.graph_bytes_per_compute or 0, 1),
     }
 
@@ -182,7 +191,7 @@ def measure(bin_dir: Path, model: Path, streams: int, requests: int, tokens: int
         with llama_server(bin_dir, model, workdir, streams, None, {}) as url:
             native = run_load(url, plan)
         row: dict[str, Any] = {"streams": streams, "requests": streams * requests}
-        for name, env in (("exact", {"GGML_VIRTGPU_OP_CLASSES": "0"}), ("op_classes", {})):
+        for name, env in MODES:
             trace = workdir / f"trace-{name}.bin"
             with apir_host(bin_dir, workdir, trace) as path, \
                     llama_server(bin_dir, model, workdir, streams, path,
@@ -211,8 +220,8 @@ def main() -> None:
         raise SystemExit(f"error: no model at {args.model}\nhint: --model is a GGUF file")
     rows = [measure(args.bin_dir, args.model, n, args.requests, args.tokens) for n in args.streams]
     result = {
-        "what": "benchmarks/apir_serving_queries.py: synchronous calls per decode step through apir-host (CPU), "
-                "answers kept per exact shape (GGML_VIRTGPU_OP_CLASSES=0) and per op class",
+        "what": "benchmarks/apir_serving_queries.py: synchronous calls and graph bytes per decode step through "
+                "apir-host (CPU): answers kept per exact shape, per op class, and per op class with graph deltas",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
         "series": args.series or llamacpp.patches_digest(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
