@@ -226,7 +226,8 @@ def main() -> None:
         "series": args.series or llamacpp.patches_digest(),
         "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
         "model": args.model.name,
-        "setup": {"requests_per_stream": args.requests, "shortest_request_tokens": args.tokens, "threads": 1},
+        "setup": {"requests_per_stream": args.requests, "shortest_request_tokens": args.tokens, "threads": 1,
+                  "repetitions": 1, "native_first": True, "modes": {name: env for name, env in MODES}},
         "rows": rows,
     }
     text = json.dumps(result, indent=1)
