@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.bench_helpers import Server, free_port, wait_healthy
+from tests.support.bench_helpers import Server, wait_healthy
+from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.bench_helpers import REPO, Server, free_port, run_cli
+from tests.support.bench_helpers import REPO, Server, run_cli
+from tests.support.ports import free_port
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], needle: str) -> None:

@@ -16,7 +16,8 @@ import pytest
 
 from apirctl.bench import modes
 from tests.bench.test_bench_cli import one_line_error
-from tests.support.bench_helpers import free_port, run_cli
+from tests.support.bench_helpers import run_cli
+from tests.support.ports import free_port
 
 
 def test_client_endpoint_dials_loopback_for_a_wildcard_bind() -> None:

@@ -10,7 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support.chat_helpers import LlamaServer, free_port, run_chat
+from tests.support.chat_helpers import LlamaServer, run_chat
+from tests.support.ports import free_port
 from tests.support.vision import write_png
 
 pytestmark = pytest.mark.integration

@@ -163,7 +163,7 @@ def test_line_history_survives_sessions(llama_server: LlamaServer, isolated_home
 
 def test_errors_do_not_end_the_session(llama_server: LlamaServer) -> None:
     """An unreachable server is reported and the session goes on; the failed turn is not kept."""
-    from tests.support.chat_helpers import free_port
+    from tests.support.ports import free_port
 
     command = apirctl_command()
     dead = f"http://127.0.0.1:{free_port()}/v1"

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.chat_helpers import apirctl_command, free_port, run_chat
+from tests.support.chat_helpers import apirctl_command, run_chat
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.reliability.test_serve_faults import exists, free_port, port_is_free
+from tests.reliability.test_serve_faults import exists, port_is_free
+from tests.support.ports import free_port
 from tests.support.sweep import REPO, Outcome, sweep
 from tests.support.waiting import wait_for
 

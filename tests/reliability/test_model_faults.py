@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.ports import free_port
 from tests.support.sweep import NOBODY, as_user, sweep
 
 pytestmark = pytest.mark.integration
@@ -36,7 +37,7 @@ def _truncated(demo_model: Path, tmp_path: Path, size: int) -> Path:
 
 
 def serve_refuses(model: str, says: str) -> None:
-    out = sweep("serve", model, "--transport", "none", "--port", "20179", "--name", NAME)
+    out = sweep("serve", model, "--transport", "none", "--port", str(free_port()), "--name", NAME)
     out.fails_cleanly(code=1, says=says)
 
 
@@ -78,7 +79,7 @@ def test_an_unreadable_file(demo_model: Path, elsewhere: Path, no_new_containers
     path = elsewhere / "locked.gguf"
     shutil.copy(demo_model, path)
     path.chmod(0o600)
-    for out in (sweep("serve", str(path), "--transport", "none", "--port", "20179", "--name", NAME, env=env,
+    for out in (sweep("serve", str(path), "--transport", "none", "--port", str(free_port()), "--name", NAME, env=env,
                       user=NOBODY),
                 sweep("models", "inspect", str(path), env=env, user=NOBODY)):
         out.fails_cleanly(code=1, says=f"cannot read {path}: Permission denied")

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.test_serve_faults import free_port, healthy, port_is_free
+from tests.reliability.test_serve_faults import healthy, port_is_free
+from tests.support.ports import free_port
 from tests.support.sweep import REPO, Outcome, sweep
 
 pytestmark = pytest.mark.integration

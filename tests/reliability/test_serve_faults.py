@@ -20,15 +20,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import SHARED_CACHE
+from tests.support.ports import free_port
 from tests.support.sweep import REPO, Outcome, sweep
 
 pytestmark = pytest.mark.integration
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def exists(name: str) -> bool:

@@ -8,16 +8,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 from collections.abc import Iterator
 
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+from tests.support.ports import free_port
 
 
 @pytest.fixture

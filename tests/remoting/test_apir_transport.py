@@ -36,8 +36,8 @@ from apirctl.machine import RestartOptions
 from apirctl.paths import dirs
 from apirctl.podman import containers, engine
 from apirctl.remoting import apir_hosts, rpc_server
-from tests.remoting.conftest import free_port
 from tests.remoting.test_unix_transport import as_nobody, greedy_tokens, host_server, tcp_listeners_of
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration

@@ -24,7 +24,7 @@ from apirctl.errors import ApirctlError
 from apirctl.machine import MachineState, RestartOptions
 from apirctl.podman import containers
 from apirctl.remoting import rpc_server
-from tests.remoting.conftest import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration

@@ -23,7 +23,7 @@ import pytest
 from apirctl.errors import ApirctlError
 from apirctl.podman import containers
 from apirctl.remoting import hostloopback, rpc_client, transport, tunnel
-from tests.remoting.conftest import free_port
+from tests.support.ports import free_port
 
 SSHD = os.environ.get("TEST_SSHD") or shutil.which("sshd") or "/usr/sbin/sshd"
 

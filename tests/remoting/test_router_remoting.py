@@ -28,8 +28,8 @@ import pytest
 from apirctl.machine import MachineState, RestartOptions
 from apirctl.podman import containers, engine
 from apirctl.remoting import apir_hosts, backends, rpc_server
-from tests.remoting.conftest import free_port
 from tests.serve.test_serve_router import named_copy
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 FIRST, SECOND = "first-model", "second-model"

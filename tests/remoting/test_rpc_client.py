@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from apirctl.remoting import rpc_client
-from tests.remoting.conftest import free_port
+from tests.support.ports import free_port
 
 
 @pytest.fixture

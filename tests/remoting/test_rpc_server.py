@@ -15,7 +15,7 @@ import pytest
 from apirctl.errors import ApirctlError
 from apirctl.machine import MachineState, RestartOptions
 from apirctl.remoting import rpc_server
-from tests.remoting.conftest import free_port
+from tests.support.ports import free_port
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

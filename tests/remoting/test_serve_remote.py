@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from apirctl.remoting import tunnel
-from tests.remoting.conftest import free_port
 from tests.remoting.test_remote_backends import sshd  # noqa: F401 - the real sshd fixture
+from tests.support.ports import free_port
 
 
 def apirctl(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -32,7 +32,7 @@ from apirctl.machine import MachineState, RestartOptions
 from apirctl.paths import dirs
 from apirctl.podman import containers, engine
 from apirctl.remoting import backends, rpc_client, rpc_server, transport
-from tests.remoting.conftest import free_port
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,8 @@ import httpx
 import pytest
 
 from apirctl.remoting import apir_hosts
-from tests.serve.conftest import apirctl, container_exists, free_port
+from tests.serve.conftest import apirctl, container_exists
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,9 @@ import httpx
 import pytest
 
 from tests.conftest import shared_env
-from tests.serve.conftest import apirctl, free_port
+from tests.serve.conftest import apirctl
 from tests.support.oci_registry import OciRegistry, export_oci_layout, insecure_registries_conf
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.integration
 

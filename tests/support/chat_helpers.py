@@ -6,7 +6,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.ports import free_port
+
 CTX_SIZE = 2048
 READY_TIMEOUT = 120.0
 # A terminal's size comes from the terminal. These may be in this process's C environment without
@@ -25,12 +26,6 @@ READY_TIMEOUT = 120.0
 # it), sets them to 80x24 there, and child processes inherit them.
 UNSET = ("-u", "LINES", "-u", "COLUMNS")
 PROMPT_LINE = re.compile(r"^>>>(?: |$)", re.M)  # a prompt, as a screen capture shows it (no trailing spaces)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
