@@ -142,6 +142,8 @@ def _why(server: Server) -> str:
     problem = _rpc_problem(server) if server.transport == "rpc" and server.rpc_link == "tcp" else None
     if server.apir_host:  # an exited APIR server: whether its apir-host died, and how
         problem = apir_hosts.problem(server.apir_host)
+    if server.isolation == "vm":  # a VM its relay ended, its backend gone (`vm.relay`): the reason it noted
+        problem = vm.ended(server.name) or problem
     return f"{said}: {problem}" if problem else said
 
 
@@ -195,6 +197,8 @@ def logs(
     server = find_server(name, all=True) if name else find_server(None)
     if server.isolation == "vm":
         yield from vm.logs(server.name, tail_lines=tail, follow=follow)
+        if vm.ended(server.name):
+            yield f"--- apirctl: the VM was ended: {vm.ended(server.name)}"
         if not follow:
             yield from _vm_backend_lines(server, tail or VM_BACKEND_LINES)
         return

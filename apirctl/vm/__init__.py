@@ -4,7 +4,8 @@
 cache), `rootfs` (the image's files as a cached read-only ext4 image), `accel` (KVM where it runs
 ordinary guests, else emulation, with the reason; doctor's check), `machines` (start, list, logs,
 stop: one QEMU process and one runtime folder per VM, its record carrying a container's labels),
-`relay` (the host end of a remoting VM's RPC stream: a backend connection per client session).
+`relay` (the host end of a remoting VM's RPC stream: a backend connection per client session; a VM
+and its backend end together).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from apirctl.vm.machines import (
     GUEST_RPC_ENDPOINT,
     VmRecord,
     alive,
+    ended,
     exists,
     launch,
     logs,
@@ -28,5 +30,5 @@ from apirctl.vm.machines import (
 from apirctl.vm.rootfs import RootFs, ensure_rootfs
 
 __all__ = ["GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "RootFs", "VmRecord", "choose", "ensure_boot_files",
-           "ensure_rootfs", "exists", "kvm_problem", "launch", "alive", "relay_alive", "server_of", "server_tail",
-           "logs", "records", "remove", "servers"]
+           "ended", "ensure_rootfs", "exists", "kvm_problem", "launch", "alive", "relay_alive", "server_of",
+           "server_tail", "logs", "records", "remove", "servers"]

@@ -15,7 +15,9 @@ A VM served with remoting (`rpc_instance`: its backend of its own, `apirctl.remo
 reaches that one backend and nothing else: the restricted network's single `guestfwd` sends the
 guest's connections to `GUEST_RPC` into a QEMU chardev, a Unix socket in the VM's folder (0700; the
 socket 0600), which the VM's relay (`relay`) carries to the backend's socket, a session at a time.
-QEMU listens on no port for it. Stopping the VM ends QEMU, then the relay, which stops the backend.
+QEMU listens on no port for it. Stopping the VM ends QEMU, then the relay, which stops the backend;
+a backend that dies or refuses the guest's bytes makes the relay `end` the VM, with the reason that
+`ps -a` shows, its folder kept until `stop`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ QEMU = "qemu-system-x86_64"
 CONSOLE = "console.log"
 PIDFILE = "qemu.pid"
 RECORD = "vm.json"
+#: Why apirctl ended the VM (`end`: its backend went), one line for `ps -a`.
+ENDED = "ended"
 #: QEMU's end of the guest's RPC stream (a chardev socket in the VM's folder).
 RPC_SOCKET = "rpc-guest.sock"
 #: The address the guest's llama.cpp dials for its backend: forwarded to `RPC_SOCKET`, nothing else.
@@ -210,11 +214,11 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
 
 def _start_relay(record: VmRecord) -> int:
     """The relay between QEMU's chardev socket and the VM's backend, in a session of its own: it
-    outlives this serve, and ends (stopping the backend) when QEMU does."""
+    outlives this serve; when QEMU ends it stops the backend, and when the backend goes it ends QEMU."""
     where = folder(record.name)
     with (where / "relay.log").open("ab") as log:
         command = [sys.executable, "-m", RELAY_MODULE, "--guest", str(where / RPC_SOCKET),
-                   "--instance", record.rpc_instance, "--qemu-pid", str(record.pid)]
+                   "--instance", record.rpc_instance, "--vm", record.name, "--qemu-pid", str(record.pid)]
         child = subprocess.Popen(command,
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)
@@ -273,6 +277,41 @@ def server_tail(name: str, lines: int) -> str:
     return "\n".join(kept[-lines:])
 
 
+def _end_qemu(record: VmRecord, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout`; polls, never a fixed sleep. Only this VM's QEMU."""
+    if not alive(record):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while alive(record):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(record.pid, signal.SIGKILL)
+            deadline = time.monotonic() + timeout
+        time.sleep(0.02)
+
+
+def end(name: str, why: str, timeout: float = STOP_TIMEOUT) -> None:
+    """End the VM's QEMU because of `why` (one line, which `ps -a` shows after `exited:`), keeping its
+    folder, so that `logs` still reads its console until `stop` removes it. The relay calls it when the
+    VM's backend is gone (see `relay`: a VM does not outlive its backend)."""
+    record = _read(name)
+    if record is None or not alive(record):  # ended already: by `stop`, a kill, or another reason first
+        return
+    with contextlib.suppress(OSError), (folder(name) / ENDED).open("x") as fh:  # the first reason stays
+        fh.write((why.splitlines() or ["ended"])[0])
+    _end_qemu(record, timeout)
+
+
+def ended(name: str) -> str:
+    """Why apirctl ended the VM (`end`), or "" when it did not (stopped, killed, or its server exited)."""
+    try:
+        return (folder(name) / ENDED).read_text().strip()
+    except OSError:
+        return ""
+
+
 def remove(name: str, timeout: float = STOP_TIMEOUT) -> bool:
     """End the VM's QEMU (SIGTERM, then SIGKILL after `timeout`) and remove its folder; False when
     there was no such VM."""
@@ -280,17 +319,8 @@ def remove(name: str, timeout: float = STOP_TIMEOUT) -> bool:
     if not where.is_dir():
         return False
     record = _read(name)
-    if record is not None and alive(record):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(record.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while alive(record):
-            if time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(record.pid, signal.SIGKILL)
-                deadline = time.monotonic() + timeout
-            time.sleep(0.02)
     if record is not None:
+        _end_qemu(record, timeout)
         _end_relay(record, timeout)
     shutil.rmtree(where, ignore_errors=True)
     return True

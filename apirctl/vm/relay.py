@@ -12,11 +12,18 @@ session before and opens a new one. What the backend answers goes back unread.
 
 It parses only 9-byte headers of hostile bytes, allocates nothing by a size the guest sends, and
 holds no state the guest can grow: the backend (sandboxed, capped) checks everything else. A guest
-that breaks the framing only garbles its own session, which the backend refuses.
+that breaks the framing only garbles its own VM's stream, which its own backend refuses.
 
-The relay is the backend's owner (`supervised`): while it runs, the backend is kept; when QEMU ends
-(its stream closes), the relay stops the backend and exits, so the VM's backend ends with its VM.
-Its notes (sessions, and the graphs each computed) go into the backend's log.
+A VM and its backend end together, and this module alone decides it (`serve_vm`, `_end_both`). The
+relay is the backend's owner (`supervised`): while it runs, the backend is kept. When QEMU ends (its
+stream closes), the relay stops the backend and exits. When the backend closes a session by itself
+(it refused what the guest sent) or its process dies (killed, crashed: a pidfd tells at once, even
+with no session open), the relay ends the VM (`machines.end`, with one line that `ps -a` shows after
+`exited:`), then stops the backend: the one stream cannot tell the guest's client that its connection
+closed, so that client would otherwise wait for ever, and a VM without its backend cannot serve. This
+is what a container's llama-server does by itself when its backend's socket closes: it ends. `stop`
+then removes the VM's folder; nothing else is left. Notes (sessions, the graphs each computed, and why
+the VM was ended) go into the backend's log.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import select
 import signal
 import socket
 import struct
@@ -34,6 +42,7 @@ from pathlib import Path
 
 from apirctl.remoting import backends, supervised
 from apirctl.remoting.rpc_client import Command
+from apirctl.vm import machines
 
 CONNECT_TIMEOUT = 30.0
 CHUNK = 1 << 20
@@ -41,23 +50,51 @@ HEADER = struct.Struct("<BQ")
 #: The commands whose count the relay notes: a graph the backend computed for the VM.
 GRAPHS = (Command.GRAPH_COMPUTE, Command.GRAPH_RECOMPUTE)
 NOTE = "--- apirctl relay:"
+#: A backend that died has closed its sockets a moment before it ends: how long that moment may be.
+DIED_WITHIN = 2.0
 
 
 class Relay:
-    """One VM's relay: the guest stream in, a backend connection per session out."""
+    """One VM's relay: the guest stream in, a backend connection per session out. `run` returns why
+    the relay ended the stream itself (the backend went: see the module's docstring), or "" when the
+    stream closed (QEMU ended)."""
 
-    def __init__(self, guest: socket.socket, server: Path, log: Path) -> None:
+    def __init__(self, guest: socket.socket, instance: backends.Instance) -> None:
         self.guest = guest
-        self.server = server
-        self.log = log
+        self.instance = instance
+        self.log = Path(instance.log)
         self.upstream: socket.socket | None = None
         self.pump: threading.Thread | None = None
+        self.ending = threading.Event()  # set by the relay before it closes a session itself
         self.sessions = 0
         self.counts: Counter[int] = Counter()
+        self.why = ""
+        self.done = threading.Event()  # `run` returned: nothing is noted or closed any more
+        self._lock = threading.Lock()
 
     def note(self, text: str) -> None:
         with contextlib.suppress(OSError), self.log.open("a") as fh:
             fh.write(f"{NOTE} {text}\n")
+
+    def backend_gone(self, why: str) -> None:
+        """The backend ended a session or its process: close the guest stream (`run` returns `why`).
+        Called from the answers' thread, the backend's watcher and `run`; the first reason stays."""
+        with self._lock:
+            if self.why or self.done.is_set():
+                return
+            self.why = why
+        self.note(f"ending the VM: {why}")
+        with contextlib.suppress(OSError):
+            self.guest.shutdown(socket.SHUT_RDWR)
+
+    def _session_dropped(self, session: int) -> None:
+        """The backend closed session `session` by itself: it refused what the guest sent, or it died.
+        Which one: its process ends within a moment of its sockets closing when it died."""
+        if _wait_gone(self.instance.pid, DIED_WITHIN):
+            self.backend_gone(down(self.instance))
+        else:
+            failure = backends.failure_line(self.log)
+            self.backend_gone(f"rpc backend refused the guest's session {session}: {failure}")
 
     def _recv_exact(self, n: int) -> bytes | None:
         data = bytearray()
@@ -68,66 +105,161 @@ class Relay:
             data += got
         return bytes(data)
 
-    def _answers(self, upstream: socket.socket) -> None:
-        """Copy the backend's answers of one session to the guest, until the session closes."""
-        with contextlib.suppress(OSError):
-            while True:
+    def _answers(self, upstream: socket.socket, session: int, ending: threading.Event) -> None:
+        """Copy the backend's answers of one session to the guest, until the session closes; a close
+        the relay did not ask for is the backend's (`_session_dropped`)."""
+        while True:
+            try:
                 data = upstream.recv(CHUNK)
-                if not data:
-                    return
+            except OSError:
+                data = b""
+            if not data:
+                if not ending.is_set():
+                    self._session_dropped(session)
+                return
+            try:
                 self.guest.sendall(data)
+            except OSError:  # the guest stream is gone: `run` sees it too
+                return
 
     def _end_session(self) -> None:
         if self.upstream is None:
             return
         graphs = sum(self.counts[c] for c in GRAPHS)
         self.note(f"session {self.sessions} ended: {sum(self.counts.values())} commands, {graphs} graphs computed")
+        self.ending.set()
         with contextlib.suppress(OSError):
             self.upstream.shutdown(socket.SHUT_RDWR)
         self.upstream.close()
         if self.pump is not None:
-            self.pump.join(timeout=5)
+            self.pump.join(timeout=DIED_WITHIN + 5)
         self.upstream, self.pump = None, None
         self.counts.clear()
 
-    def _new_session(self) -> socket.socket:
+    def _new_session(self) -> socket.socket | None:
         self._end_session()
         upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        upstream.connect(str(self.server))
+        try:
+            upstream.connect(str(self.server))
+        except OSError as exc:
+            upstream.close()
+            gone = _wait_gone(self.instance.pid, DIED_WITHIN)
+            self.backend_gone(down(self.instance) if gone else f"rpc backend refused a new session: {exc}")
+            return None
         self.sessions += 1
         self.note(f"session {self.sessions} began")
-        self.upstream = upstream
-        self.pump = threading.Thread(target=self._answers, args=(upstream,), daemon=True)
+        self.upstream, self.ending = upstream, threading.Event()
+        self.pump = threading.Thread(target=self._answers, args=(upstream, self.sessions, self.ending), daemon=True)
         self.pump.start()
         return upstream
 
-    def run(self) -> None:
-        """Until the guest stream (QEMU) closes, or the backend refuses a new session."""
+    @property
+    def server(self) -> Path:
+        return self.instance.socket
+
+    def run(self) -> str:
+        """Until the guest stream closes (QEMU ended, or `backend_gone` closed it); returns `why`."""
         try:
             while True:
                 header = self._recv_exact(HEADER.size)
                 if header is None:
-                    return
+                    return self.why
                 cmd, size = HEADER.unpack(header)
                 upstream = self.upstream
                 if cmd == Command.HELLO or upstream is None:
                     upstream = self._new_session()
+                    if upstream is None:
+                        return self.why
                 self.counts[cmd] += 1
                 if cmd in GRAPHS and self.counts[cmd] == 1:
                     self.note(f"session {self.sessions}: first {Command(cmd).name} (graphs computed here)")
-                upstream.sendall(header)
                 left = size
-                while left:
+                data = header
+                while True:
+                    try:
+                        upstream.sendall(data)
+                    except OSError:  # the backend closed this session: its answers' thread says why
+                        if self.pump is not None:
+                            self.pump.join(timeout=DIED_WITHIN + 5)
+                        self.backend_gone(self.why or f"rpc backend dropped session {self.sessions}")
+                        return self.why
+                    if not left:
+                        break
                     data = self.guest.recv(min(left, CHUNK))
                     if not data:
-                        return
+                        return self.why
                     left -= len(data)
-                    with contextlib.suppress(OSError):  # a session the backend dropped: skip to the next
-                        upstream.sendall(data)
         except OSError as exc:
             self.note(f"stream ended: {exc}")
+            return self.why
         finally:
             self._end_session()
+            with self._lock:
+                self.done.set()
+
+
+def down(instance: backends.Instance) -> str:
+    """The one line for a VM whose backend died (a container's `ps` says `rpc backend down` too)."""
+    return f"rpc backend down: {backends.BINARY} pid {instance.pid} ended"
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    """Whether the backend process `pid` ends within `timeout` seconds: a pidfd says so at once; where
+    there is none, poll."""
+    if not backends.is_backend_process(pid):
+        return True
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = -1
+    try:
+        if pidfd >= 0 and not backends.is_backend_process(pid):  # a recycled pid: ours ended before the open
+            return True
+        deadline = time.monotonic() + timeout
+        while backends.is_backend_process(pid):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if pidfd >= 0:
+                poller = select.poll()
+                poller.register(pidfd, select.POLLIN)
+                poller.poll(left * 1000)
+            else:
+                time.sleep(min(left, 0.05))
+        return True
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
+
+
+def _watch(relay: Relay) -> None:
+    """The backend's death ends the VM even while no session is open (the guest idle, or not yet up)."""
+    while not relay.done.is_set():
+        if _wait_gone(relay.instance.pid, 1.0):
+            relay.backend_gone(down(relay.instance))
+            return
+
+
+def serve_vm(guest: socket.socket, instance: backends.Instance, vm: str) -> str:
+    """The relay's life for VM `vm`: relay its guest stream to `instance` until one of the two ends,
+    then end the other. QEMU ended: the backend is stopped. The backend died or refused the guest's
+    bytes: the VM is ended (`machines.end`, with the reason `ps -a` shows), then the backend stopped.
+    Returns that reason ("" when QEMU ended first)."""
+    relay = Relay(guest, instance)
+    threading.Thread(target=_watch, args=(relay,), daemon=True).start()
+    why = ""
+    try:
+        why = relay.run()
+    finally:
+        _end_both(vm, instance, why or "its relay ended")
+    return why
+
+
+def _end_both(vm: str, instance: backends.Instance, why: str) -> None:
+    """The one place a VM and its backend end together: the VM (a no-op when QEMU has ended already,
+    else ended with `why`), then the backend (process, socket directory, record and log)."""
+    machines.end(vm, why)
+    backends.stop(instance)
 
 
 def _running(pid: int) -> bool:
@@ -154,23 +286,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="apirctl.vm.relay")
     parser.add_argument("--guest", required=True, type=Path, help="QEMU's chardev socket of the guest stream")
     parser.add_argument("--instance", required=True, help="the VM's backend (its record's id)")
+    parser.add_argument("--vm", required=True, help="the VM's name (its folder)")
     parser.add_argument("--qemu-pid", required=True, type=int, help="the VM's QEMU")
     args = parser.parse_args(argv)
     instance = backends.get(args.instance)  # serve hands it over to this process: kept while it runs
     if instance is None:
+        machines.end(args.vm, "rpc backend gone before its relay started")
         return 1
-    log = Path(instance.log)
+    guest = None
+    why = "its relay ended"
     try:
-        try:
-            guest = _connect(args.guest, args.qemu_pid, CONNECT_TIMEOUT)
-        except OSError as exc:
-            with contextlib.suppress(OSError), log.open("a") as fh:
-                fh.write(f"{NOTE} no guest stream at {args.guest}: {exc}\n")
-            return 1
-        with guest:
-            Relay(guest, instance.socket, log).run()
-    finally:  # the VM is gone: its backend goes with it
-        backends.stop(args.instance)
+        guest = _connect(args.guest, args.qemu_pid, CONNECT_TIMEOUT)
+    except OSError as exc:
+        why = f"no guest stream at {args.guest}: {exc}"
+    finally:
+        if guest is None:  # (a SIGTERM as well): the VM and its backend end here
+            _end_both(args.vm, instance, why)
+    if guest is None:
+        return 1
+    with guest:
+        serve_vm(guest, instance, args.vm)
     return 0
 
 

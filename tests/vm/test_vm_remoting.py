@@ -1,7 +1,11 @@
 """Remoting across the VM boundary, without waiting for a guest: the plan and QEMU's command line of a
 remoting VM carry exactly one way out (the forwarded backend address), its backend is the container's
-(sandboxed, capped), the relay splits one guest stream into one backend session per client, and a VM's
-backend ends with its VM. Real QEMU, real `ggml-rpc-server`; the guest is never waited for."""
+(sandboxed, capped), the relay splits one guest stream into one backend session per client, and a VM
+and its backend end together (QEMU ended: the backend goes; the backend killed or refusing the guest's
+bytes: the VM goes, `ps -a` says why, and `stop` leaves nothing); two VMs keep a backend each. Real
+QEMU, real `ggml-rpc-server`; the guest is never waited for. Where a test needs the guest's bytes, it
+hands the relay one end of a socketpair in place of QEMU's chardev stream (QEMU is that socket's
+listener, and only a booted guest writes into it)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from apirctl.errors import ApirctlError
 from apirctl.remoting import backends, rpc_client, rpc_server
 from apirctl.serve import options
 from apirctl.serve.provision import local_plan
-from apirctl.vm import accel, boot, machines
+from apirctl.vm import accel, boot, machines, relay
 from apirctl.vm.relay import Relay
 from apirctl.vm.rootfs import RootFs
 from tests.support.waiting import wait_for
@@ -109,6 +113,29 @@ def _seccomp(pid: int) -> str:
     return ""
 
 
+def _environ(pid: int) -> dict[str, str]:
+    text = Path(f"/proc/{pid}/environ").read_text()
+    return dict(e.split("=", 1) for e in text.split("\0") if "=" in e)
+
+
+def _answers(instance: backends.Instance) -> int:
+    """The backend's device count, on a connection of our own (HELLO first)."""
+    with rpc_client.connect(instance.endpoint, timeout=30) as sock:
+        assert rpc_client.hello(sock).startswith(f"{rpc_client.PROTOCOL_MAJOR}.")
+        return rpc_client.device_count(sock)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """The peer closed the stream (blocks until it does, or the socket's timeout)."""
+    return sock.recv(1) == b""
+
+
+def _gone(instance: backends.Instance) -> bool:
+    """No process, socket directory, record or log of the backend is left."""
+    return (not backends.is_backend_process(instance.pid) and backends.get(instance.id) is None
+            and not Path(instance.directory).exists() and not Path(instance.log).exists())
+
+
 def test_a_vms_backend_is_a_containers_sandboxed_and_capped_and_its_relay_serves_sessions_in_turn(
         vm_build: object) -> None:
     """The backend serve starts for a remoting VM is the one it starts for a container (one call, the
@@ -117,28 +144,28 @@ def test_a_vms_backend_is_a_containers_sandboxed_and_capped_and_its_relay_serves
     a client's garbage costs it its session, not the backend."""
     instance = rpc_server.start_own_backend("vm-test", 1 * GIB)
     try:
-        text = Path(f"/proc/{instance.pid}/environ").read_text()
-        environ = dict(e.split("=", 1) for e in text.split("\0") if "=" in e)
+        environ = _environ(instance.pid)
         assert environ.get(backends.SHM_CAP_ENV) == str(GIB) and environ.get("GGML_SANDBOX", "1") != "0"
         assert _seccomp(instance.pid) == "2"  # filter mode: the sandbox of llama_patches 0016
         assert stat.S_IMODE(Path(instance.directory).stat().st_mode) == 0o700
 
         guest, host = socket.socketpair()
-        relay = threading.Thread(target=Relay(host, instance.socket, Path(instance.log)).run, daemon=True)
-        relay.start()
+        ended: list[str] = []
+        running = threading.Thread(target=lambda: ended.append(Relay(host, instance).run()), daemon=True)
+        running.start()
         guest.settimeout(30)
         for _ in range(3):
             assert rpc_client.hello(guest).startswith(f"{rpc_client.PROTOCOL_MAJOR}.")
             assert rpc_client.device_count(guest) >= 1
         guest.sendall(struct.pack("<BQ", 200, 4) + b"junk")  # an unknown command: the backend drops that session
-        assert rpc_client.hello(guest) and rpc_client.device_count(guest) >= 1  # the next one is served
-        guest.close()
-        relay.join(timeout=30)
-        assert not relay.is_alive()
+        assert _closed(guest)  # and the relay closes the stream: its client would wait for ever otherwise
+        running.join(timeout=30)
+        assert not running.is_alive()
+        assert ended == ["rpc backend refused the guest's session 3: Unknown command: 200"]
         log = Path(instance.log).read_text()
-        assert "Unknown command: 200" in log  # the junk went to the third session, which the backend dropped
-        assert log.count("Accepted client connection") == 5 and "session 4 began" in log  # a probe, then 4
-        assert backends.is_backend_process(instance.pid)
+        assert log.count("Accepted client connection") == 4 and "session 3 began" in log  # a probe, then 3
+        assert "session 4" not in log and f"ending the VM: {ended[0]}" in log
+        assert backends.is_backend_process(instance.pid) and _answers(instance) >= 1  # refused, and serving
     finally:
         backends.stop(instance)
 
@@ -178,7 +205,113 @@ def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(vm_buil
                      timeout=30)
             wait_for("the relay to end", lambda r=record: not machines.relay_alive(r), timeout=30)
             assert backends.get(instance.id) is None and not Path(instance.directory).exists()
+            if ending == "kill":  # QEMU ended first: the relay records no reason of its own
+                assert serve.find_server(name, all=True).why == "exited" and not machines.ended(name)
         finally:
             machines.remove(name)
             backends.stop(instance.id)
         assert not machines.folder(name).exists()
+
+
+def _launch(name: str, memory: int, files: boot.BootFiles,
+            rootfs: RootFs) -> tuple[backends.Instance, machines.VmRecord]:
+    """A remoting VM as serve starts one: its own backend, QEMU, and the relay that owns the backend."""
+    instance = rpc_server.start_own_backend(name, memory)
+    try:
+        record = machines.launch(_record(name, instance.id, _free_port()), files, rootfs, rootfs.path, ["/bin/true"],
+                                 {}, 8000, "127.0.0.1")
+    except BaseException:
+        backends.stop(instance)
+        raise
+    backends.hand_over(instance, record.relay_pid)
+    wait_for(f"the relay of {name} to run", lambda: machines.relay_alive(record), timeout=10)
+    return instance, record
+
+
+@pytest.fixture
+def vm_disk(tmp_path: Path) -> tuple[boot.BootFiles, RootFs]:
+    files = boot.ensure_boot_files()
+    disk = tmp_path / "root.img"
+    disk.write_bytes(bytes(1 << 20))
+    return files, RootFs(path=disk, image_id="x", entrypoint=[], env={})
+
+
+@needs_qemu
+def test_two_remoting_vms_keep_a_backend_each_and_garbage_on_one_stream_ends_that_vm_alone(
+        vm_build: object, vm_disk: tuple[boot.BootFiles, RootFs], podman: str) -> None:
+    """Two VMs at once: each has its own backend (process, socket, cap: its VM's memory) and relay.
+    Garbage on VM A's stream (handed to A's relay as QEMU hands the guest's bytes over): A's backend
+    refuses it, the relay ends VM A (its real QEMU) and A's backend, `ps -a` says why, and `stop`
+    leaves nothing of A; VM B, its relay and its backend run on, and B's backend answers."""
+    from apirctl import serve
+
+    started: dict[str, tuple[backends.Instance, machines.VmRecord]] = {}
+    try:
+        for name, memory in (("vm-a", GIB), ("vm-b", 2 * GIB)):
+            started[name] = _launch(name, memory, *vm_disk)
+        (a, vm_a), (b, vm_b) = started["vm-a"], started["vm-b"]
+        assert a.id != b.id and a.pid != b.pid and a.socket != b.socket and vm_a.relay_pid != vm_b.relay_pid
+        assert _environ(a.pid)[backends.SHM_CAP_ENV] == str(GIB)
+        assert _environ(b.pid)[backends.SHM_CAP_ENV] == str(2 * GIB)
+        for instance, record in started.values():
+            assert backends.get(instance.id).owner_pid == record.relay_pid  # type: ignore[union-attr]
+        listed = {s.name: s for s in serve.list_servers(all=True, probe_health=False)}
+        assert (listed["vm-a"].rpc_instance, listed["vm-b"].rpc_instance) == (a.id, b.id)
+
+        guest, host = socket.socketpair()
+        guest.settimeout(30)
+        ended: list[str] = []
+        stream = threading.Thread(target=lambda: ended.append(relay.serve_vm(host, a, "vm-a")), daemon=True)
+        stream.start()
+        assert rpc_client.hello(guest) and rpc_client.device_count(guest) >= 1  # A's guest is served
+        guest.sendall(struct.pack("<BQ", 200, 4) + b"junk")
+        assert _closed(guest)
+        stream.join(timeout=30)
+        assert ended == ["rpc backend refused the guest's session 1: Unknown command: 200"]
+        wait_for("VM A's QEMU to end", lambda: not machines.alive(vm_a), timeout=30)
+        wait_for("VM A's relay to end", lambda: not machines.relay_alive(vm_a), timeout=30)
+        wait_for("VM A's backend to be gone", lambda: _gone(a), timeout=30)
+        shown = serve.find_server("vm-a", all=True)
+        assert not shown.running and shown.why == f"exited: {ended[0]}"
+        assert f"--- apirctl: the VM was ended: {ended[0]}" in list(serve.logs("vm-a"))
+
+        assert machines.alive(vm_b) and machines.relay_alive(vm_b) and backends.is_backend_process(b.pid)
+        assert _answers(b) >= 1  # B's backend answers HELLO and the device count
+        assert serve.find_server("vm-b").running
+        assert serve.stop("vm-a") == ["vm-a"] and not machines.folder("vm-a").exists()
+        assert machines.alive(vm_b) and _answers(b) >= 1
+    finally:
+        for name, (instance, _) in started.items():
+            machines.remove(name)
+            backends.stop(instance.id)
+    for name, (instance, _) in started.items():
+        assert not machines.folder(name).exists() and _gone(instance)
+
+
+@needs_qemu
+def test_a_killed_host_backend_ends_its_vm_which_ps_shows_and_stop_leaves_nothing(
+        vm_build: object, vm_disk: tuple[boot.BootFiles, RootFs], podman: str) -> None:
+    """SIGKILL of a remoting VM's backend (no session open: the guest never connected): the relay
+    sees it at once, ends the VM's real QEMU and removes the backend's record, socket and log; `ps -a`
+    shows the VM exited with `rpc backend down` (a container on a dead backend says the same), `logs`
+    says why, and `stop` removes the VM's folder: no process, record or file is left."""
+    from apirctl import serve
+
+    instance, record = _launch("vm-orphan", GIB, *vm_disk)
+    try:
+        os.kill(instance.pid, signal.SIGKILL)
+        wait_for("QEMU to end with its backend", lambda: not machines.alive(record), timeout=30)
+        wait_for("the relay to end", lambda: not machines.relay_alive(record), timeout=30)
+        wait_for("the backend's record, socket and log to be gone", lambda: _gone(instance), timeout=30)
+        why = f"rpc backend down: {backends.BINARY} pid {instance.pid} ended"
+        shown = serve.find_server("vm-orphan", all=True)
+        assert not shown.running and shown.why == f"exited: {why}"
+        assert f"--- apirctl: the VM was ended: {why}" in list(serve.logs("vm-orphan"))
+        assert machines.folder("vm-orphan").is_dir()  # kept for `logs` until stop
+        assert serve.stop("vm-orphan") == ["vm-orphan"]
+        assert not machines.folder("vm-orphan").exists()
+        assert "vm-orphan" not in {s.name for s in serve.list_servers(all=True, probe_health=False)}
+    finally:
+        machines.remove("vm-orphan")
+        backends.stop(instance.id)
+    assert _gone(instance) and not machines.alive(record) and not machines.relay_alive(record)
