@@ -215,7 +215,8 @@ def _wait_vm(record: vm.VmRecord, base: str, timeout: float) -> None:
         if state == "ok":
             return
         if not vm.alive(record):
-            raise ServeFailed("the VM ended before its server was ready",
+            why = vm.ended(record.name)  # its relay ended it: the backend died or refused the guest
+            raise ServeFailed(f"the VM ended before its server was ready{': ' + why if why else ''}",
                               hint="its console's last lines are above; fix the model or flags and retry")
         if time.monotonic() > deadline:
             raise ServeFailed(f"the server in the VM was not ready after {timeout:g} s (health: {state})",
