@@ -322,7 +322,8 @@ bool graph_run(const std::vector<uint8_t> & graph, const std::vector<apir_graph_
 }
 
 // Strides that follow a tensor's new shape, where its first ones followed its first shape: a
-// contiguous tensor stays contiguous, a permutation permutes its source's strides.
+// permutation permutes its source's strides, a view of a whole tensor (a copy's destination) has its
+// strides, a contiguous tensor stays contiguous.
 void restride(const gfuzz::graph & first, gfuzz::graph & now, int i) {
     gfuzz::tensor &       t    = now.t[i];
     const gfuzz::tensor & was  = first.t[i];
@@ -335,6 +336,8 @@ void restride(const gfuzz::graph & first, gfuzz::graph & now, int i) {
                 t.nb[was.params[k]] = a.nb[k];
             }
         }
+    } else if (t.view_src >= 0 && memcmp(was.nb, first.t[t.view_src].nb, sizeof(was.nb)) == 0) {
+        memcpy(t.nb, now.t[t.view_src].nb, sizeof(t.nb));
     } else if (memcmp(flat.nb, was.nb, sizeof(flat.nb)) == 0) {
         gfuzz::builder::contiguous(t);
     }
