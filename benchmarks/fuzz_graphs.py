@@ -341,7 +341,8 @@ def run_hunt(fuzzer: Path, seconds: int, artifacts: Path, jobs: int) -> dict:
     done = campaign.hunt(fuzzer, seconds, artifacts, jobs=jobs)
     found = campaign.classify_all(fuzzer, [Path(p) for p in done.result.findings])
     return {"inputs": done.result.inputs, "graphs_built": done.graphs_built, "graphs_computed": done.graphs_computed,
-            "graphs_computed_after_delta": done.deltas_computed, "seconds": done.result.seconds, "cpu_seconds": round(cpu_seconds() - cpu0, 1), "findings": len(found),
+            "graphs_computed_after_delta": done.deltas_computed, "seconds": done.result.seconds,
+            "cpu_seconds": round(cpu_seconds() - cpu0, 1), "findings": len(found),
             **campaign.summary(found, start_wall)}
 
 

@@ -4,8 +4,8 @@ the pinned, patched source built with AddressSanitizer and UndefinedBehaviorSani
 Each campaign computes graphs through a host's real entry point (the APIR backend library's
 dispatcher; ggml-rpc's server loop) on the real CPU backend: any sanitizer report, abort, signal or
 slow input is a finding, and the test asserts none. On the APIR host, inputs with their delta flag
-also update the kept graph by EXT_GRAPH_DELTA (patch 0021) and compute it again. The long campaign is benchmarks/fuzz_graphs.py;
-its figures are in docs/reliability.md.
+also update the kept graph by EXT_GRAPH_DELTA (patch 0021) and compute it again. The long campaign
+is benchmarks/fuzz_graphs.py; its figures are in docs/reliability.md.
 """
 
 from __future__ import annotations

@@ -404,7 +404,7 @@ void delta_step(gfuzz::reader & r, const gfuzz::graph & first, gfuzz::graph & no
     }
 }
 
-// A hostile field in a change: each of these is refused by the delta's checks
+// A hostile field in a change: the checks refuse all but another buffer that holds the tensor
 void make_hostile(apir_graph_change & c, int kind, const std::vector<uint64_t> & buffers, size_t n_tensors) {
     const int d = (kind >> 4) % 4;
     switch (kind % 12) {
