@@ -23,8 +23,10 @@
 // of tensor `which` shrunk or grown back (in every tensor that had the same size there, strides
 // following), a view's offset moved, a tensor's data offset moved; or it writes one hostile field
 // into `which`'s change (a shape, a stride, an offset, another buffer, id, op, view source or index).
-// The delta checks must refuse what the kernels cannot compute; what they take is computed. Built with clang -fsanitize=fuzzer,address,undefined
-// against libraries compiled with -fsanitize=address,undefined,fuzzer-no-link (build.py).
+// The delta checks must refuse what the kernels cannot compute; what they take is computed.
+//
+// Built with clang -fsanitize=fuzzer,address,undefined against libraries compiled with
+// -fsanitize=address,undefined,fuzzer-no-link (build.py).
 //
 // Environment: APIR_FUZZ_GGML_LIBRARY (default libggml-cpu.so next to the backend library),
 // GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph,
@@ -346,11 +348,11 @@ void restride(const gfuzz::graph & first, gfuzz::graph & now, int i) {
 // One step of a delta on `now`, the graph as the host keeps it (`first`: as it was sent). A hostile
 // field is left in `*hostile` (its kind + 1) for the change of `*which` once the changes are made.
 void delta_step(gfuzz::reader & r, const gfuzz::graph & first, gfuzz::graph & now, int * which, int * hostile) {
-    const int     n     = (int) now.t.size();
-    const int     x     = r.u8() % n;
-    const uint8_t how   = r.u8();
-    const uint8_t value = r.u8();
-    gfuzz::tensor & t   = now.t[x];
+    const int       n     = (int) now.t.size();
+    const int       x     = r.u8() % n;
+    const uint8_t   how   = r.u8();
+    const uint8_t   value = r.u8();
+    gfuzz::tensor & t     = now.t[x];
     switch (how % 8) {
         case 1: {
             // a view's offset moved by whole rows (or elements) within its source, the data with it
@@ -429,10 +431,10 @@ void run_deltas(gfuzz::reader & r, const gfuzz::graph & first, const std::vector
     gfuzz::graph kept = first;
     const int    n    = 1 + r.u8() % 4;
     for (int k = 0; k < n; k++) {
-        gfuzz::graph now    = kept;
-        int          which  = 0;
+        gfuzz::graph now     = kept;
+        int          which   = 0;
         int          hostile = 0;
-        const int    steps  = 1 + r.u8() % 4;
+        const int    steps   = 1 + r.u8() % 4;
         for (int s = 0; s < steps; s++) {
             delta_step(r, first, now, &which, &hostile);
         }
@@ -490,7 +492,8 @@ void print_stats() {
     if (!getenv("GFUZZ_STATS")) {
         return;
     }
-    fprintf(stderr, "apir-graph-fuzz: %zu inputs, %zu graphs computed, %zu computed after a delta, %zu deltas refused\n",
+    fprintf(stderr,
+            "apir-graph-fuzz: %zu inputs, %zu graphs computed, %zu computed after a delta, %zu deltas refused\n",
             (size_t) counts->inputs, (size_t) counts->computed, (size_t) counts->deltas_computed,
             (size_t) counts->deltas_refused);
     for (int op = 0; op < GGML_OP_COUNT; op++) {
