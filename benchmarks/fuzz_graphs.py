@@ -278,7 +278,7 @@ class HostCampaign:
         return threads
 
     def figures(self, started: float, classify_until: float) -> dict[str, object]:
-        built, computed, refused = campaign.read_counts(self.counts)
+        counted = campaign.read_counts(self.counts)
         found = []
         for path in sorted(self.findings, key=lambda p: p.stat().st_mtime)[:CLASSIFY_AT_MOST]:
             if time.monotonic() > classify_until:
@@ -295,7 +295,9 @@ class HostCampaign:
             entry["count"] = int(entry["count"]) + 1  # type: ignore[call-overload]
         return {"fuzzer": self.fuzzer.name, "workers": self.workers, "seed_base": self.seed,
                 "seeds_run": len(self.seeds), "rounds": self.rounds, "seconds": round(time.monotonic() - started, 1),
-                "graphs_computed": computed, "graphs_built": built, "graphs_refused": refused,
+                "graphs_computed": counted.computed, "graphs_built": counted.built, "graphs_refused": counted.refused,
+                # the APIR host's EXT_GRAPH_DELTA: graphs computed again after a kept one was updated
+                "graphs_computed_after_delta": counted.deltas_computed, "deltas_refused": counted.deltas_refused,
                 "inputs": self.inputs, "edges": self.edges,
                 "corpus_at_end": len(list(self.corpus.iterdir())),
                 "findings": len(self.findings) + len(self.failures), "crashing_inputs": len(self.findings),
@@ -339,7 +341,8 @@ def run_hunt(fuzzer: Path, seconds: int, artifacts: Path, jobs: int) -> dict:
     done = campaign.hunt(fuzzer, seconds, artifacts, jobs=jobs)
     found = campaign.classify_all(fuzzer, [Path(p) for p in done.result.findings])
     return {"inputs": done.result.inputs, "graphs_built": done.graphs_built, "graphs_computed": done.graphs_computed,
-            "seconds": done.result.seconds, "cpu_seconds": round(cpu_seconds() - cpu0, 1), "findings": len(found),
+            "graphs_computed_after_delta": done.deltas_computed, "seconds": done.result.seconds,
+            "cpu_seconds": round(cpu_seconds() - cpu0, 1), "findings": len(found),
             **campaign.summary(found, start_wall)}
 
 

@@ -3,8 +3,9 @@ the pinned, patched source built with AddressSanitizer and UndefinedBehaviorSani
 
 Each campaign computes graphs through a host's real entry point (the APIR backend library's
 dispatcher; ggml-rpc's server loop) on the real CPU backend: any sanitizer report, abort, signal or
-slow input is a finding, and the test asserts none. The long campaign is benchmarks/fuzz_graphs.py;
-its figures are in docs/reliability.md.
+slow input is a finding, and the test asserts none. On the APIR host, inputs with their delta flag
+also update the kept graph by EXT_GRAPH_DELTA (patch 0021) and compute it again. The long campaign
+is benchmarks/fuzz_graphs.py; its figures are in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -78,6 +79,16 @@ def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_p
     assert done.result.clean, f"{done.result.findings}\n{done.result.reports}\n{done.result.log_tail}"
     n = len(list(campaign.CORPUS.iterdir()))
     assert done.graphs_built >= n and done.graphs_computed >= n - 2, done.result.log_tail
+    if host == "apir_graph_fuzz":
+        # the delta seeds' updated graphs pass the delta's checks and compute; the hostile change is refused
+        assert done.deltas_computed >= DELTA_SEEDS_COMPUTED and done.deltas_refused >= 1, done.result.log_tail
+    else:
+        assert done.deltas_computed == done.deltas_refused == 0  # the RPC transport has no deltas
+
+
+#: The updates by EXT_GRAPH_DELTA that the corpus's delta seeds (seeds.py) compute: 3 of mul_mat-batch, 1 of
+#: kv-store-batch and of rope-hostile, 2 of each of the other eleven.
+DELTA_SEEDS_COMPUTED = 27
 
 
 # An input slower than this is a finding. A quantizing copy into IQ4_NL of a large tensor took 23 s
@@ -98,6 +109,8 @@ def test_a_short_campaign_finds_nothing(fuzzers: dict[str, Path], host: str, tmp
     assert not findings and done.result.clean, f"{findings}\n{done.result.reports}\n{done.result.log_tail}"
     n = len(list(campaign.CORPUS.iterdir()))
     assert done.graphs_computed >= n - 2 and done.result.edges > 0
+    if host == "apir_graph_fuzz":  # the delta path reached the kernels, not only its refusals
+        assert done.deltas_computed >= DELTA_SEEDS_COMPUTED, done.result.log_tail
 
 
 @pytest.mark.integration

@@ -10,8 +10,23 @@
 //     BUFFER_FREE_BUFFER         per buffer
 //
 // so the library's decoders, its node checks (backend-node-check.cpp) and then ggml's CPU kernels
-// run on every graph the checks accept. Built with clang -fsanitize=fuzzer,address,undefined
-// against libraries compiled with -fsanitize=address,undefined,fuzzer-no-link (build.py).
+// run on every graph the checks accept.
+//
+// When bit 1 of the first byte is set, the client is granted EXT_GRAPH_DELTA: the graph is computed
+// and kept by id with EXT_GRAPH_RUN, and the bytes after the graph's program are deltas, each one
+// EXT_GRAPH_DELTA that updates the kept graph and computes it:
+//
+//     deltas := n:u8 delta*                       (1 + n % 4 deltas)
+//     delta  := k:u8 (which:u8 how:u8 value:u8)*  (1 + k % 4 steps, then a change per tensor that differs)
+//
+// A step changes the graph as llama.cpp's steps do, from the shapes the host keeps: a batch dimension
+// of tensor `which` shrunk or grown back (in every tensor that had the same size there, strides
+// following), a view's offset moved, a tensor's data offset moved; or it writes one hostile field
+// into `which`'s change (a shape, a stride, an offset, another buffer, id, op, view source or index).
+// The delta checks must refuse what the kernels cannot compute; what they take is computed.
+//
+// Built with clang -fsanitize=fuzzer,address,undefined against libraries compiled with
+// -fsanitize=address,undefined,fuzzer-no-link (build.py).
 //
 // Environment: APIR_FUZZ_GGML_LIBRARY (default libggml-cpu.so next to the backend library),
 // GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph,
@@ -77,6 +92,20 @@ struct apir_rpc_tensor_wide {
     char     name[GGML_MAX_NAME];
 };
 
+// EXT_GRAPH_DELTA's change (shared/apir_backend_ext.h)
+struct apir_graph_change {
+    uint32_t index;
+    uint32_t op;
+    uint64_t id;
+    uint64_t view_src;
+    uint64_t buffer;
+    int64_t  ne[GGML_MAX_DIMS];
+    uint64_t nb[GGML_MAX_DIMS];
+    uint64_t view_offs;
+    uint64_t data;
+};
+
+static_assert(sizeof(apir_graph_change) == 112, "apir_graph_change is a wire format");
 static_assert(sizeof(apir_rpc_tensor) == 304, "apir_rpc_tensor is a wire format");
 static_assert(sizeof(apir_rpc_tensor_wide) == 328, "apir_rpc_tensor_wide is a wire format");
 
@@ -86,8 +115,13 @@ constexpr uint32_t CMD_SET_TENSOR      = 17;
 constexpr uint32_t CMD_FREE_BUFFER     = 21;
 constexpr uint32_t CMD_GRAPH_COMPUTE   = 22;
 constexpr uint32_t CMD_GET_FEATURES    = 256;
+constexpr uint32_t CMD_GRAPH_RUN       = 257;
+constexpr uint32_t CMD_GRAPH_DELTA     = 258;
 constexpr uint64_t FEATURE_GRAPH_RUN   = 1;
 constexpr uint64_t FEATURE_WIDE        = 2;
+constexpr uint64_t FEATURE_GRAPH_DELTA = 8;
+constexpr uint32_t GRAPH_RUN_DONE      = 0;
+constexpr uint64_t GRAPH_ID            = 1;
 constexpr uint32_t LOAD_LIBRARY_OK     = 6;
 constexpr uint32_t CTX                 = 1;
 constexpr uint32_t RES_DATA            = 1;
@@ -260,12 +294,208 @@ void set_features(uint64_t wanted) {
     call(CMD_GET_FEATURES, req.bytes);
 }
 
+// EXT_GRAPH_RUN (`changes` empty: the serialization in resource 2, kept under GRAPH_ID) or
+// EXT_GRAPH_DELTA (`changes` in resource 2), with no writes or outputs: whether the graph was computed
+bool graph_run(const std::vector<uint8_t> & graph, const std::vector<apir_graph_change> & changes) {
+    writer run;
+    run.put(GRAPH_ID);
+    run.put(RES_GRAPH);
+    if (changes.empty()) {
+        memcpy(resources[1].ptr, graph.data(), graph.size());
+        run.put((uint64_t) graph.size());
+    } else {
+        memcpy(resources[1].ptr, changes.data(), changes.size() * sizeof(apir_graph_change));
+        run.put((uint64_t) 0);
+        run.put((uint32_t) changes.size());
+    }
+    run.put((uint64_t) 0);  // writes_offset
+    run.put((uint32_t) 0);  // n_writes
+    run.put(RES_GRAPH);     // out_res_id
+    run.put((uint32_t) 0);  // n_outputs
+    std::vector<uint8_t> reply;
+    if (!call(changes.empty() ? CMD_GRAPH_RUN : CMD_GRAPH_DELTA, run.bytes, &reply) || reply.size() < 8) {
+        return false;
+    }
+    uint32_t result = 0;
+    int32_t  status = 0;
+    memcpy(&result, reply.data(), 4);
+    memcpy(&status, reply.data() + 4, 4);
+    return result == GRAPH_RUN_DONE && status == GGML_STATUS_SUCCESS;
+}
+
+// Strides that follow a tensor's new shape, where its first ones followed its first shape: a
+// permutation permutes its source's strides, a view of a whole tensor (a copy's destination) has its
+// strides, a contiguous tensor stays contiguous.
+void restride(const gfuzz::graph & first, gfuzz::graph & now, int i) {
+    gfuzz::tensor &       t    = now.t[i];
+    const gfuzz::tensor & was  = first.t[i];
+    gfuzz::tensor         flat = was;
+    gfuzz::builder::contiguous(flat);
+    if ((t.op == GGML_OP_PERMUTE || t.op == GGML_OP_TRANSPOSE) && t.src[0] >= 0) {
+        const gfuzz::tensor & a = now.t[t.src[0]];
+        for (int k = 0; k < 4; k++) {
+            if (was.params[k] >= 0 && was.params[k] < 4 && was.nb[was.params[k]] == first.t[t.src[0]].nb[k]) {
+                t.nb[was.params[k]] = a.nb[k];
+            }
+        }
+    } else if (t.view_src >= 0 && memcmp(was.nb, first.t[t.view_src].nb, sizeof(was.nb)) == 0) {
+        memcpy(t.nb, now.t[t.view_src].nb, sizeof(t.nb));
+    } else if (memcmp(flat.nb, was.nb, sizeof(flat.nb)) == 0) {
+        gfuzz::builder::contiguous(t);
+    }
+}
+
+// One step of a delta on `now`, the graph as the host keeps it (`first`: as it was sent). A hostile
+// field is left in `*hostile` (its kind + 1) for the change of `*which` once the changes are made.
+void delta_step(gfuzz::reader & r, const gfuzz::graph & first, gfuzz::graph & now, int * which, int * hostile) {
+    const int       n     = (int) now.t.size();
+    const int       x     = r.u8() % n;
+    const uint8_t   how   = r.u8();
+    const uint8_t   value = r.u8();
+    gfuzz::tensor & t     = now.t[x];
+    switch (how % 8) {
+        case 1: {
+            // a view's offset moved by whole rows (or elements) within its source, the data with it
+            if (t.view_src < 0) {
+                break;
+            }
+            const size_t step = t.nb[(value & 1) ? 1 : 0] * (1 + (value >> 1) % 4);
+            if (value & 0x80) {
+                if (t.view_offs >= step && t.offset >= step) {
+                    t.view_offs -= step;
+                    t.offset -= step;
+                }
+            } else {
+                t.view_offs += step;
+                t.offset += step;
+            }
+            break;
+        }
+        case 2:
+            // a tensor's data offset moved within its buffer, or back to its start
+            if (t.view_src < 0 && t.buffer >= 0) {
+                t.offset = t.offset ? 0 : gfuzz::ALIGN * (1 + value % 4);
+            }
+            break;
+        case 3:
+            *which   = x;
+            *hostile = 1 + value;
+            break;
+        default: {
+            // a batch dimension shrunk, or grown back (past its first size now and then): in every
+            // tensor whose same dimension had the same size at first and has now
+            const int     d    = (how >> 3) % 4;
+            const int64_t from = t.ne[d];
+            const int64_t orig = first.t[x].ne[d];
+            const int64_t to   = value < 0xf8 ? 1 + value % (orig > 0 ? orig : 1) : orig + (value - 0xf7);
+            if (to == from) {
+                break;
+            }
+            for (int i = 0; i < n; i++) {
+                for (int e = 0; e < 4; e++) {
+                    if (now.t[i].ne[e] == from && first.t[i].ne[e] == orig) {
+                        now.t[i].ne[e] = to;
+                    }
+                }
+            }
+            for (int i = 0; i < n; i++) {  // sources before their views and users
+                restride(first, now, i);
+            }
+            break;
+        }
+    }
+}
+
+// A hostile field in a change: the checks refuse all but another buffer that holds the tensor
+void make_hostile(apir_graph_change & c, int kind, const std::vector<uint64_t> & buffers, size_t n_tensors) {
+    const int d = (kind >> 4) % 4;
+    switch (kind % 12) {
+        case 0: c.ne[d] = -1; break;
+        case 1: c.ne[d] = (int64_t) 1 << 40; break;
+        case 2: c.nb[d] = 0; break;
+        case 3: c.nb[d] = (uint64_t) 1 << 63; break;
+        case 4: c.view_offs = UINT64_MAX - 7; break;
+        case 5: c.data = UINT64_MAX - 7; break;
+        case 6: c.buffer = buffers[(size_t) kind % buffers.size()]; break;  // another buffer, same offset
+        case 7: c.buffer = 0x5eed; break;
+        case 8: c.id += 1; break;
+        case 9: c.op ^= 1; break;
+        case 10: c.view_src = c.view_src ? 0 : 1; break;
+        default: c.index = (uint32_t) n_tensors; break;
+    }
+}
+
+// The input's deltas, after the graph was computed and kept: each made from the graph as the host
+// keeps it, sent, and computed, until one is refused (the host then keeps the graph no more).
+void run_deltas(gfuzz::reader & r, const gfuzz::graph & first, const std::vector<uint64_t> & buffers, bool wide) {
+    gfuzz::graph kept = first;
+    const int    n    = 1 + r.u8() % 4;
+    for (int k = 0; k < n; k++) {
+        gfuzz::graph now     = kept;
+        int          which   = 0;
+        int          hostile = 0;
+        const int    steps   = 1 + r.u8() % 4;
+        for (int s = 0; s < steps; s++) {
+            delta_step(r, first, now, &which, &hostile);
+        }
+        std::vector<apir_graph_change> changes;
+        for (size_t i = 0; i < now.t.size(); i++) {
+            const apir_rpc_tensor_wide was = record(kept, (int) i, buffers);
+            const apir_rpc_tensor_wide is  = record(now, (int) i, buffers);
+            if (!hostile || (int) i != which) {
+                if (memcmp(was.ne, is.ne, sizeof(is.ne)) == 0 && memcmp(was.nb, is.nb, sizeof(is.nb)) == 0 &&
+                    was.view_offs == is.view_offs && was.data == is.data && was.buffer == is.buffer) {
+                    continue;
+                }
+            }
+            apir_graph_change c;
+            memset(&c, 0, sizeof(c));
+            c.index    = (uint32_t) i;
+            c.op       = is.op;
+            c.id       = is.id;
+            c.view_src = is.view_src;
+            c.buffer   = is.buffer;
+            memcpy(c.ne, is.ne, sizeof(c.ne));
+            memcpy(c.nb, is.nb, sizeof(c.nb));
+            c.view_offs = is.view_offs;
+            c.data      = is.data;
+            if (!wide) {
+                // what a narrow record carries: a shape past 32 bits is the hostile steps' to send
+                for (int d = 0; d < GGML_MAX_DIMS; d++) {
+                    c.ne[d] = (uint32_t) c.ne[d];
+                    c.nb[d] = (uint32_t) c.nb[d];
+                }
+            }
+            if (hostile && (int) i == which) {
+                make_hostile(c, hostile - 1, buffers, now.t.size());
+            }
+            changes.push_back(c);
+        }
+        if (changes.empty()) {
+            continue;
+        }
+        if (describe_graphs) {
+            fprintf(stderr, "delta %d: %zu changes%s\n", k, changes.size(), hostile ? " (one hostile)" : "");
+            gfuzz::describe(now);
+        }
+        fresh_backend();
+        if (!graph_run({}, changes)) {
+            counts->deltas_refused++;
+            return;
+        }
+        counts->deltas_computed++;
+        kept = now;
+    }
+}
+
 void print_stats() {
     if (!getenv("GFUZZ_STATS")) {
         return;
     }
-    fprintf(stderr, "apir-graph-fuzz: %zu inputs, %zu graphs computed\n", (size_t) counts->inputs,
-            (size_t) counts->computed);
+    fprintf(stderr,
+            "apir-graph-fuzz: %zu inputs, %zu graphs computed, %zu computed after a delta, %zu deltas refused\n",
+            (size_t) counts->inputs, (size_t) counts->computed, (size_t) counts->deltas_computed,
+            (size_t) counts->deltas_refused);
     for (int op = 0; op < GGML_OP_COUNT; op++) {
         if (tried[op]) {
             fprintf(stderr, "  %-16s tried %8zu computed %8zu\n", ggml_op_name((ggml_op) op), tried[op], accepted[op]);
@@ -320,16 +550,18 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     gfuzz::graph g;
-    if (!gfuzz::generate(data, size, g)) {
+    size_t       used = 0;
+    if (!gfuzz::generate(data, size, g, &used)) {
         return -1;
     }
     counts->inputs++;
     if (describe_graphs) {
         gfuzz::describe(g);
     }
-    const bool wide = size > 0 && (data[0] & 1);
-    if (wide) {
-        set_features(FEATURE_GRAPH_RUN | FEATURE_WIDE);
+    const bool wide  = size > 0 && (data[0] & 1);
+    const bool delta = size > 0 && (data[0] & 2);
+    if (wide || delta) {
+        set_features(FEATURE_GRAPH_RUN | (wide ? FEATURE_WIDE : 0) | (delta ? FEATURE_GRAPH_DELTA : 0));
     }
 
     // a buffer per tensor (views share their source's), each filled with one transfer of its bytes
@@ -370,11 +602,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     for (size_t i = 0; i < g.t.size(); i++) {
         put_record(graph, record(g, (int) i, buffers), wide);
     }
-    memcpy(resources[1].ptr, graph.bytes.data(), graph.bytes.size());
-    writer compute;
-    compute.put(RES_GRAPH);
-    compute.put((uint64_t) graph.bytes.size());
-    const bool ok = call(CMD_GRAPH_COMPUTE, compute.bytes);
+    bool ok = false;
+    if (delta) {
+        ok = graph_run(graph.bytes, {});
+    } else {
+        memcpy(resources[1].ptr, graph.bytes.data(), graph.bytes.size());
+        writer compute;
+        compute.put(RES_GRAPH);
+        compute.put((uint64_t) graph.bytes.size());
+        ok = call(CMD_GRAPH_COMPUTE, compute.bytes);
+    }
     for (int n : g.nodes) {
         tried[g.t[n].op]++;
         if (ok) {
@@ -383,13 +620,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     }
     counts->computed += ok;
     counts->refused += !ok;
+    if (delta && ok) {
+        gfuzz::reader r{ data + used, size - used };
+        run_deltas(r, g, buffers, wide);
+    }
 
     for (uint64_t buffer : buffers) {
         writer free_req;
         free_req.put(buffer);
         call(CMD_FREE_BUFFER, free_req.bytes);
     }
-    if (wide) {
+    if (wide || delta) {
         set_features(FEATURE_GRAPH_RUN);
     }
     return 0;

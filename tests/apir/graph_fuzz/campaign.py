@@ -32,8 +32,9 @@ from tests.apir.fuzz.campaign import Result, parse
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "corpus"
-#: A harness's counts file (graph_gen.h's `counts`): inputs that built a graph, graphs computed, refused.
-COUNTS = struct.Struct("<QQQ")
+#: A harness's counts file (graph_gen.h's `counts`): inputs that built a graph, graphs computed, refused,
+#: graphs computed after a delta, deltas refused (the last two: the APIR harness's EXT_GRAPH_DELTA).
+COUNTS = struct.Struct("<QQQQQ")
 ASAN = re.compile(r"ERROR: AddressSanitizer: ([\w-]+)")
 ACCESS = re.compile(r"^(READ|WRITE) of size (\d+)", re.M)
 UBSAN = re.compile(r"([\w./-]+:\d+):\d+: runtime error: (.*)")
@@ -64,12 +65,14 @@ class Counts(NamedTuple):
     built: int  # inputs that built a graph
     computed: int  # graphs the host computed
     refused: int  # graphs the host's checks refused
+    deltas_computed: int = 0  # graphs computed after the host updated a kept graph by a delta
+    deltas_refused: int = 0  # deltas the host refused
 
 
 def read_counts(folder: Path) -> Counts:
     """The counts of every fuzzer process that wrote them in `folder`, summed: a process that ended in a
     finding, or was killed, counts too (the harness maps the file)."""
-    total = [0, 0, 0]
+    total = [0] * len(Counts._fields)
     for f in folder.glob("*.counts"):
         data = f.read_bytes()
         if len(data) >= COUNTS.size:
@@ -103,6 +106,8 @@ class Campaign:
     result: Result
     graphs_built: int = 0
     graphs_computed: int = 0
+    deltas_computed: int = 0  # of graphs_computed's inputs: graphs computed again after a delta
+    deltas_refused: int = 0
 
 
 def _seed(work: Path, corpus: Path | None) -> None:
@@ -134,7 +139,8 @@ def run(fuzzer: Path, runs: int, artifacts: Path, seed: int = 1, max_total_time:
                                  if not p.name.startswith("slow-unit-"))
         result.log_tail = done.stderr[-4000:]
         counted = read_counts(counts)
-        return Campaign(str(fuzzer), result, counted.built, counted.computed)
+        return Campaign(str(fuzzer), result, counted.built, counted.computed, counted.deltas_computed,
+                        counted.deltas_refused)
 
 
 def hunt(fuzzer: Path, seconds: int, artifacts: Path, seed: int = 1, timeout: int = 10,
@@ -160,7 +166,8 @@ def hunt(fuzzer: Path, seconds: int, artifacts: Path, seed: int = 1, timeout: in
         result.findings = sorted(str(p) for p in artifacts.iterdir() if not p.name.startswith("slow-unit-"))
         result.log_tail = done.stderr[-4000:]
         counted = read_counts(counts)  # every fork-mode child's, those that crashed too
-        return Campaign(str(fuzzer), result, counted.built, counted.computed)
+        return Campaign(str(fuzzer), result, counted.built, counted.computed, counted.deltas_computed,
+                        counted.deltas_refused)
 
 
 @dataclass
@@ -306,12 +313,14 @@ def main() -> None:
         done = hunt(args.fuzzer, args.hunt, args.artifacts.resolve(), args.seed)
         found = classify_all(args.fuzzer, [Path(p) for p in done.result.findings])
         print(json.dumps({"inputs": done.result.inputs, "graphs_built": done.graphs_built,
-                          "graphs_computed": done.graphs_computed, "seconds": done.result.seconds,
+                          "graphs_computed": done.graphs_computed, "deltas_computed": done.deltas_computed,
+                          "seconds": done.result.seconds,
                           **summary(found, start)}, indent=2))
         return
     done = run(args.fuzzer, args.runs, args.artifacts.resolve(), args.seed, args.max_total_time)
     print(json.dumps({**asdict(done.result), "graphs_built": done.graphs_built,
-                      "graphs_computed": done.graphs_computed, "clean": done.result.clean}, indent=2))
+                      "graphs_computed": done.graphs_computed, "deltas_computed": done.deltas_computed,
+                      "deltas_refused": done.deltas_refused, "clean": done.result.clean}, indent=2))
 
 
 if __name__ == "__main__":

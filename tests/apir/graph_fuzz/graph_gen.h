@@ -43,6 +43,8 @@ struct counts {
     uint64_t inputs;    // inputs that built a graph
     uint64_t computed;  // graphs the host computed
     uint64_t refused;   // graphs the host refused
+    uint64_t deltas_computed;  // graphs the host computed after updating a kept one by a delta (APIR)
+    uint64_t deltas_refused;   // deltas the host refused
 };
 
 inline counts * map_counts(const char * harness) {
@@ -728,7 +730,9 @@ inline void describe(const graph & g) {
     }
 }
 
-inline bool generate(const uint8_t * data, size_t size, graph & g) {
+// `used`, when given, receives how many bytes of the input the graph's program read: a harness reads
+// what follows as its own (apir_graph_fuzz.cpp's deltas)
+inline bool generate(const uint8_t * data, size_t size, graph & g, size_t * used = nullptr) {
     reader  r{ data, size };
     builder b{ r, g };
     (void) r.u8();  // reserved: the harness's own flags
@@ -738,6 +742,9 @@ inline bool generate(const uint8_t * data, size_t size, graph & g) {
         return false;
     }
     fill(g, seed);
+    if (used) {
+        *used = r.at;
+    }
     return true;
 }
 

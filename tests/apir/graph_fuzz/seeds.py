@@ -43,8 +43,34 @@ def weight(name: str) -> bytes:
     return b(1, ANY[name])
 
 
-def program(*nodes: bytes, wide: bool = False, seed: int = 30) -> bytes:
-    return b(int(wide)) + struct.pack("<I", seed) + b(len(nodes) - 1) + b"".join(nodes)
+def program(*nodes: bytes, wide: bool = False, seed: int = 30, deltas: bytes = b"") -> bytes:
+    """With `deltas` (deltas()), the APIR harness keeps the graph by id and updates it by EXT_GRAPH_DELTA."""
+    flags = int(wide) | (2 if deltas else 0)
+    return b(flags) + struct.pack("<I", seed) + b(len(nodes) - 1) + b"".join(nodes) + deltas
+
+
+# apir_graph_fuzz.cpp's delta steps (how % 8)
+BATCH, VIEW_OFFSET, DATA_OFFSET, HOSTILE = 0, 1, 2, 3
+
+
+def batch(which: int, d: int, size: int) -> bytes:
+    """Dimension `d` of tensor `which` (and the same dimension of every tensor of its size) to `size`,
+    at most its first size."""
+    return b(which, BATCH | d << 3, size - 1)
+
+
+def view_offset(which: int, elements: int, back: bool = False) -> bytes:
+    """A view's offset moved by `elements` (1..4) of its first stride."""
+    return b(which, VIEW_OFFSET, (elements - 1) << 1 | (0x80 if back else 0))
+
+
+def hostile(which: int, kind: int) -> bytes:
+    return b(which, HOSTILE, kind)
+
+
+def deltas(*each: tuple[bytes, ...]) -> bytes:
+    """The deltas after a graph: each a tuple of 1..4 steps."""
+    return b(len(each) - 1) + b"".join(b(len(steps) - 1) + b"".join(steps) for steps in each)
 
 
 def mul_mat(w: str, k: int, m: int, n: int, a2: int = 1, a3: int = 1, r2: int = 1, r3: int = 1,
@@ -183,6 +209,35 @@ def seeds() -> dict[str, bytes]:
         "kv-store": program(rope(64, 2, 3, neox=True), set_rows("f16", 64, 16, 3), cpy("f32", "f16", 64, 3)),
         "wide-mul_mat": program(mul_mat("q8_0", 256, 32, 2), wide=True),
         "wide-flash_attn": program(flash_attn(64, 2, 16, 2, 2), wide=True),
+        # a kept graph updated by EXT_GRAPH_DELTA (APIR): the batch shrinks and grows back, the KV
+        # cache grows, a view moves; and a hostile change, refused
+        "delta-mul_mat-batch": program(mul_mat("q8_0", 256, 64, 7),
+                                       deltas=deltas((batch(1, 1, 3),), (batch(1, 1, 7),), (batch(1, 1, 1),))),
+        "delta-layer-ffn-batch": program(norm(True, 64, 2), mul_mat("q4_0", 64, 48, 2),
+                                         glu("f32", 24, 2, 2, split=True), binary(0, "f32", (64, 2, 1, 1)),
+                                         deltas=deltas((batch(0, 1, 1),), (batch(0, 1, 2),))),
+        "delta-flash_attn-kv": program(flash_attn(64, 1, 32, 2, 2),
+                                       deltas=deltas((batch(6, 0, 16),), (batch(6, 0, 32),))),
+        "delta-kv-store-batch": program(rope(64, 2, 3, neox=True), set_rows("f16", 64, 16, 3),
+                                        cpy("f32", "f16", 64, 3), deltas=deltas((batch(1, 0, 2),))),
+        "delta-rms_norm-view": program(norm(True, 64, 4, how=STRIDED),
+                                    deltas=deltas((view_offset(1, 1),), (view_offset(1, 1, back=True),))),
+        "delta-soft_max-rows": program(soft_max(32, 4, 4, "f16"), deltas=deltas((batch(0, 1, 2),), (batch(0, 1, 4),))),
+        "delta-get_rows-ids": program(get_rows("f16", 32, 8, 3), deltas=deltas((batch(1, 0, 1),), (batch(1, 0, 3),))),
+        "delta-set_rows-rows": program(set_rows("f32", 16, 8, 2, i64=False),
+                                       deltas=deltas((batch(2, 0, 1),), (batch(2, 0, 2),))),
+        "delta-mul_mat_id-tokens": program(mul_mat_id("q4_0", 64, 32, 8, 2, 4),
+                                           deltas=deltas((batch(1, 2, 2),), (batch(1, 2, 4),))),
+        "delta-add-bcast": program(binary(0, "f32", (64, 8, 2, 1), broadcast=0b0010),
+                                   deltas=deltas((batch(0, 1, 3),), (batch(0, 1, 8),))),
+        "delta-mul_mat-kq-kv": program(mul_mat("f32", 64, 32, 4, a2=2, r2=2, a_how=PERMUTED, b_how=PERMUTED),
+                                       deltas=deltas((batch(0, 2, 16),), (batch(0, 2, 32),))),
+        "delta-rope-neox-tokens": program(rope(64, 2, 5, neox=True, f16=True),
+                                          deltas=deltas((batch(1, 0, 3),), (batch(1, 0, 5),))),
+        "delta-cpy-transposed": program(cpy("f16", "f32", 16, 8, b_how=TRANSPOSED),
+                                        deltas=deltas((batch(0, 1, 4),), (batch(0, 1, 8),))),
+        "delta-rope-hostile": program(rope(64, 4, 3), wide=True,
+                                      deltas=deltas((batch(1, 0, 2),), (hostile(2, 1),))),
     }
     return out
 
