@@ -18,12 +18,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$(sha256sum pyproject.toml)" ]; then
 else
   echo "[time] pip install: skipped (pyproject.toml unchanged since this venv's install)"
 fi
-# Three pytest processes by default (pytest-xdist; a module's tests stay in one worker, in order, and
-# builds are locked, so each is made once); APIRCTL_TEST_WORKERS=0 runs one. The workers share the
+# Three pytest processes by default (pytest-xdist, test by test; what workers share is made once,
+# under a lock); APIRCTL_TEST_WORKERS=0 runs one. The workers share the
 # machine's Podman storage: each has its own apirctl home, and a home counts only its own backends'
 # containers (docs/testing.md).
 workers="${APIRCTL_TEST_WORKERS:-3}"
-parallel=(); [ "$workers" != 0 ] && parallel=(-n "$workers" --dist loadgroup)
+parallel=(); [ "$workers" != 0 ] && parallel=(-n "$workers" --dist load)
 start=$SECONDS
 rc=0
 .venv/bin/pytest -q "${parallel[@]}" "$@" || rc=$?

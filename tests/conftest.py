@@ -188,17 +188,6 @@ def podman(podman_url: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return podman_url
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's `--dist loadgroup` (scripts/test.sh) the tests of a module run in one worker,
-    in order, as in a serial run: its module fixtures (servers, builds) are made once. A test marked
-    `xdist_group(name)` runs in that group instead, beside the others of that name."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            module = item.nodeid.split("::")[0].removeprefix("tests/").removesuffix(".py")
-            item.add_marker(pytest.mark.xdist_group(module))
-
-
 _WORKER_TIMES: list[tuple[str, float, str]] = []
 
 

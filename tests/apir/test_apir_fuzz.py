@@ -164,10 +164,11 @@ def fuzzer(sanitized_ggml) -> Path:  # type: ignore[no-untyped-def]
 
     digest = hashlib.sha256(fuzz_build.HARNESS.read_bytes()).hexdigest()[:8]
     exe = sanitized_ggml.harness_dir(digest) / "apir_dispatch_fuzz"
-    if not exe.exists():
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        with native_builds.timed("the APIR dispatch fuzzer's harness (against the sanitized tree)"):
-            fuzz_build.build_fuzzer(sanitized_ggml.lib_dir, exe)
+    with native_builds.locked(f"apir-dispatch-fuzz-{digest}"):  # the workers' other tests may need it too
+        if not exe.exists():
+            exe.parent.mkdir(parents=True, exist_ok=True)
+            with native_builds.timed("the APIR dispatch fuzzer's harness (against the sanitized tree)"):
+                fuzz_build.build_fuzzer(sanitized_ggml.lib_dir, exe)
     return exe
 
 

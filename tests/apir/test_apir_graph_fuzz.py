@@ -62,11 +62,14 @@ def fuzzers(sanitized_ggml) -> dict[str, Path]:  # type: ignore[no-untyped-def]
     the dispatch fuzzer's; cached by the harnesses' digest. The tree is built once: these cost seconds."""
     from tests.support import native_builds
 
-    out = sanitized_ggml.harness_dir(graph_build.harness_digest())
+    digest = graph_build.harness_digest()
+    out = sanitized_ggml.harness_dir(digest)
     exes = {name: out / name for name in graph_build.HARNESSES}
-    if not all(exe.exists() for exe in exes.values()):
-        with native_builds.timed("the graph fuzzers' harnesses (against the sanitized tree)"):
-            exes = graph_build.build_fuzzers(sanitized_ggml.src, sanitized_ggml.lib_dir, out)
+    # one maker at a time: pytest-xdist may hand this module's tests to several workers at once
+    with native_builds.locked(f"graph-fuzz-harnesses-{digest}"):
+        if not all(exe.exists() for exe in exes.values()):
+            with native_builds.timed("the graph fuzzers' harnesses (against the sanitized tree)"):
+                exes = graph_build.build_fuzzers(sanitized_ggml.src, sanitized_ggml.lib_dir, out)
     return exes
 
 
