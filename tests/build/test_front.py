@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from apirctl.build import image
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 #: The stand-in router: answers every request with what it received (path, body, Connection header).
@@ -41,12 +42,6 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Echo).serve_forever()
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def front(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("front")
@@ -56,7 +51,7 @@ def front(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def door(front: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """The front on a free port, the echo server behind it as its child; yields its base URL."""
-    listen, upstream = _free_port(), _free_port()
+    listen, upstream = free_port(), free_port()
     (tmp_path / "echo.py").write_text(ECHO)
     proc = subprocess.Popen([str(front), "--listen", str(listen), "--upstream", str(upstream), "--model", "second",
                              "--", sys.executable, str(tmp_path / "echo.py"), str(upstream)])

@@ -26,6 +26,7 @@ import pytest
 
 from tests.conftest import shared_env
 from tests.support import native_builds
+from tests.support.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,20 +59,12 @@ def vulkan_image() -> str:
         return image.ensure(build)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @contextlib.contextmanager
 def _server(tag: str, model: Path, env: dict[str, str], ngl: int) -> Iterator[str]:
     """llama-server from `tag` on the model, published on a free loopback port: its URL."""
     from apirctl.podman import containers
 
-    port = _free_port()
+    port = free_port()
     spec = containers.ContainerSpec(
         image=tag, name=f"apirctl-test-vk-{uuid.uuid4().hex[:8]}",
         command=["--model", "/models/m.gguf", "--host", "0.0.0.0", "--port", "8000", "--n-gpu-layers", str(ngl),

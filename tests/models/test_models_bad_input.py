@@ -13,6 +13,7 @@ from apirctl import models
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs
 from tests.support.model_sources import Registry, store_files
+from tests.support.ports import free_port
 
 
 @pytest.fixture
@@ -105,11 +106,7 @@ def test_network_failure_mid_download(registry: Registry, gguf_factory: Callable
 
 
 def test_unreachable_registry(monkeypatch: pytest.MonkeyPatch, previous: list[str]) -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = sock.getsockname()[1]
+    dead = free_port()
     monkeypatch.setenv("APIRCTL_OLLAMA_REGISTRY", f"http://127.0.0.1:{dead}")
     fails("ollama://anything", "network failure")
     assert store_files() == previous

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from apirctl import models
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs
 from tests.support.model_sources import store_files
+from tests.support.ports import free_port
 
 
 def ailab_model(tmp_path: Path, model_id: str, data: bytes, filename: str = "model.Q4_K_M.gguf") -> Path:
@@ -49,9 +49,7 @@ def ramalama_model(source: str, path: str, tag: str, filename: str, data: bytes)
 @pytest.fixture
 def offline(monkeypatch: pytest.MonkeyPatch) -> None:
     """Registries on a port nobody listens on: a test passes only if nothing is downloaded."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    dead = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("APIRCTL_OLLAMA_REGISTRY", dead)
     monkeypatch.setenv("APIRCTL_HF_ENDPOINT", dead)
 

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.support.peers import Peer
+from tests.support.ports import free_port
 from tests.support.sweep import sweep
 
 
@@ -59,9 +60,7 @@ def test_a_cut_stream_ends_its_line_before_the_error(peer: Peer) -> None:
 
 
 def test_nothing_listens() -> None:
-    with socket.socket() as probe:  # a port that was free a moment ago
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # free a moment ago
     sweep("chat", "--url", f"http://127.0.0.1:{port}/v1", "--prompt", "hi").fails_cleanly(code=1, says="cannot reach")
 
 

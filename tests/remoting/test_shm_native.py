@@ -33,6 +33,7 @@ from apirctl.build import llamacpp
 from tests.conftest import SHARED_CACHE, shared_env
 from tests.support import native_builds
 from tests.support.build_servers import greedy_tokens, llama_server
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux", reason="Linux transport")]
@@ -79,9 +80,7 @@ def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str]
         path = workdir / "rpc.sock"
         host, client = ["-H", f"unix:{path}"], f"unix:{path}"
     else:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         host, client = ["-H", "127.0.0.1", "-p", str(port)], f"127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen([str(binary or build.binary("ggml-rpc-server")), *host, "-d", "CPU", "-t", "1"],

@@ -15,6 +15,7 @@ from apirctl.errors import ApirctlError
 from apirctl.machine import MachineState, MachineStatus
 from apirctl.podman import containers, engine
 from apirctl.remoting import apir_hosts, transport
+from tests.support.ports import free_port
 
 
 def _status(state: MachineState, **details: object) -> MachineStatus:
@@ -147,12 +148,6 @@ def test_transport_platform_mismatch(name: str, platform_name: str, message: str
         transport.plan(name, status=_status(MachineState.READY), platform_name=platform_name)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _no_pasta_podman() -> str | None:
     """Why a pasta container cannot run here, or None."""
     from apirctl.remoting import hostloopback
@@ -177,7 +172,7 @@ def test_rpc_plan_runs_llama_bench_on_a_host_rpc_server(llama_build, llama_image
     if mode == "pasta" and (why := _no_pasta_podman()):
         pytest.skip(why)
     door = HostLoopback(mode=mode)  # type: ignore[arg-type]
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([str(llama_build.binary("ggml-rpc-server")), "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

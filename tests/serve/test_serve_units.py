@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from apirctl.errors import ApirctlError
 from apirctl.remoting import transport
 from apirctl.serve import inputs, spec, starting
 from tests.support.podman_double import MemoryPodman
+from tests.support.ports import free_port
 
 
 @pytest.mark.parametrize(("host_ip", "url"), [
@@ -39,9 +39,7 @@ def test_host_ip_must_be_an_address() -> None:
 
 
 def test_free_port_passes() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     serve.check_port("127.0.0.1", port)
 
 

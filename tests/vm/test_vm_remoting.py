@@ -29,6 +29,7 @@ from apirctl.serve.provision import local_plan
 from apirctl.vm import accel, boot, machines, relay
 from apirctl.vm.relay import Relay
 from apirctl.vm.rootfs import RootFs
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 needs_qemu = pytest.mark.skipif(shutil.which(machines.QEMU) is None, reason="QEMU is needed")
@@ -75,12 +76,6 @@ def _record(name: str, rpc_instance: str = "", port: int = 18080) -> machines.Vm
         labels |= {L_RPC_LINK: "unix", L_RPC_INSTANCE: rpc_instance}
     return machines.VmRecord(name=name, id=secrets.token_hex(32), labels=labels, image="img", port=port,
                              created=time.time(), accel="tcg", memory_mb=256, cpus=1, rpc_instance=rpc_instance)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def _option(command: list[str], flag: str) -> list[str]:
@@ -197,7 +192,7 @@ def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(
     disk = rootfs.path
     for name, ending in (("vm-stopped", "stop"), ("vm-killed", "kill")):
         instance = rpc_server.start_own_backend(name, GIB)
-        record = machines.launch(_record(name, instance.id, _free_port()), files, rootfs, disk, ["/bin/true"], {}, 8000,
+        record = machines.launch(_record(name, instance.id, free_port()), files, rootfs, disk, ["/bin/true"], {}, 8000,
                                  "127.0.0.1")
         try:
             backends.hand_over(instance, record.relay_pid)
@@ -231,7 +226,7 @@ def _launch(name: str, memory: int, files: boot.BootFiles,
     """A remoting VM as serve starts one: its own backend, QEMU, and the relay that owns the backend."""
     instance = rpc_server.start_own_backend(name, memory)
     try:
-        record = machines.launch(_record(name, instance.id, _free_port()), files, rootfs, rootfs.path, ["/bin/true"],
+        record = machines.launch(_record(name, instance.id, free_port()), files, rootfs, rootfs.path, ["/bin/true"],
                                  {}, 8000, "127.0.0.1")
     except BaseException:
         backends.stop(instance)

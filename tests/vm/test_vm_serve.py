@@ -23,6 +23,7 @@ import pytest
 
 from apirctl.remoting import backends
 from apirctl.vm import accel, machines
+from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
 PROBLEM = accel.kvm_problem()
@@ -39,18 +40,10 @@ def cli(*args: str, timeout: float = LIMIT) -> subprocess.CompletedProcess[str]:
 
 
 def serve_vm(model: Path, name: str, *extra: str) -> dict[str, object]:
-    done = cli("serve", str(model), "--isolation", "vm", "--name", name, "--port", str(_free_port()),
+    done = cli("serve", str(model), "--isolation", "vm", "--name", name, "--port", str(free_port()),
                "--ctx-size", "512", "--json", "--timeout", str(LIMIT), *extra)
     assert done.returncode == 0, done.stderr
     return dict(json.loads(done.stdout))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def greedy_tokens(url: str) -> list[int]:
@@ -80,7 +73,7 @@ def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothin
         assert f"127.0.0.1:{a['port']}-:" in " ".join(record.command)  # published on loopback only
 
         container = cli("serve", str(demo_model), "--transport", "none", "--name", box, "--port",
-                        str(_free_port()), "--ctx-size", "512", "--json")
+                        str(free_port()), "--ctx-size", "512", "--json")
         assert container.returncode == 0, container.stderr
         expected = greedy_tokens(json.loads(container.stdout)["url"])
         assert greedy_tokens(str(a["url"])) == expected
@@ -114,7 +107,7 @@ def test_a_vm_whose_server_fails_is_one_error_with_its_console_and_leaves_nothin
         podman: str, llama_image: str, demo_model: Path) -> None:
     name = f"vm-bad-{uuid.uuid4().hex[:6]}"
     done = cli("serve", str(demo_model), "--isolation", "vm", "--transport", "none", "--name", name, "--port",
-               str(_free_port()), "--timeout", str(LIMIT), "--", "--no-such-flag")
+               str(free_port()), "--timeout", str(LIMIT), "--", "--no-such-flag")
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "the VM ended before its server was ready" in done.stderr
     assert "no-such-flag" in done.stderr  # the console's last lines: llama-server's own refusal
@@ -165,7 +158,7 @@ def test_a_vm_with_remoting_computes_on_its_own_host_backend_and_leaves_nothing(
         assert f"--rpc {machines.GUEST_RPC_ENDPOINT}" in " ".join(rec_a.command)
 
         container = cli("serve", str(demo_model), "--transport", "none", "--name", box, "--port",
-                        str(_free_port()), "--ctx-size", "512", "--json")
+                        str(free_port()), "--ctx-size", "512", "--json")
         assert container.returncode == 0, container.stderr
         expected = greedy_tokens(json.loads(container.stdout)["url"])
         assert greedy_tokens(str(a["url"])) == expected
