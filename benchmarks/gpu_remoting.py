@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -236,6 +237,11 @@ class Runner:
                 cmd = ["git", "apply", "-p1", str(patch)]
             subprocess.run(cmd, cwd=src, check=True)
         self.results["env"]["patches"] = (folder / "series").read_text().split()
+        # the digest `apirctl setup` keys its build on (apirctl.build.llamacpp.patches_digest), of this folder
+        h = hashlib.sha256()
+        for name in self.results["env"]["patches"]:
+            h.update(name.encode() + b"\0" + (folder / name).read_bytes())
+        self.results["env"]["patch_digest"] = h.hexdigest()[:12]
 
     def executables(self) -> list[str]:
         """The programs the parts asked for need (`passthrough`: those apirctl's image carries)."""
@@ -1066,6 +1072,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--serving-seconds", type=float, default=30.0, help="`serving`/`multi`: seconds per row")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="`serving`: streams per level")
+    ap.add_argument("--serving-rounds", type=int, default=1,
+                    help="`serving`: alternated rounds per level (native, each path, native, each path, ... native)")
     ap.add_argument("--serving-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir", "apir-exact"],
                     help="`serving`: the remoting rows beside native (apir-exact: APIR with the frontend's "
                          "answers kept per exact shape, GGML_VIRTGPU_OP_CLASSES=0, as before patch 0020)")

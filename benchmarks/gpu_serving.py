@@ -237,7 +237,8 @@ class Serving:
         r = self.runner
         entry = self.results.setdefault(shape, {"levels": {}})
         entry["setup"] = {"slots": SLOTS, "prompt_tokens": PROMPT_TOKENS, "gen_tokens": GEN_TOKENS,
-                          "seconds": self.seconds, "rows": ["native", *r.args.serving_paths, "native_after"]}
+                          "seconds": self.seconds, "rows": ["native", *r.args.serving_paths, "native_after"],
+                          "rounds": r.args.serving_rounds}
         with contextlib.ExitStack() as stack:
             t0 = time.monotonic()
             servers = {"native": stack.enter_context(
@@ -251,28 +252,51 @@ class Serving:
                 servers[path] = stack.enter_context(make(shape, f"{shape}-{path}", i, SLOTS))
             entry["load_s"] = round(time.monotonic() - t0, 1)
             r.log(f"{shape} serving: {len(servers)} servers loaded in {entry['load_s']} s")
+            rounds = max(1, r.args.serving_rounds)
             for level in r.args.concurrency:
-                if r.left() < self.seconds * (len(servers) + 1) + 20:
+                rows_needed = 1 + rounds * len(servers)
+                if r.left() < self.seconds * rows_needed + 20:
                     r.log(f"skip {shape} serving c{level}: {r.left():.0f}s left")
                     break
-                rows: dict[str, dict] = {}
-                order = ["native", *r.args.serving_paths, "native"]
-                for n, key in enumerate(order):
-                    window = Streams([servers[key]], level, self.seconds).run()
-                    rows[key if n == 0 or key != "native" else "native_after"] = window.as_dict()
-                natives = [rows[k]["tokens_per_s"] for k in ("native", "native_after")]
-                native_ttft = [rows[k]["ttft_p50_ms"] for k in ("native", "native_after") if rows[k]["ttft_p50_ms"]]
-                base = statistics.mean(natives)
-                for key in r.args.serving_paths:
-                    rows[key]["ratio"] = round(rows[key]["tokens_per_s"] / base, 3) if base else None
-                    ttft = rows[key]["ttft_p50_ms"]
-                    rows[key]["ttft_p50_ratio"] = (round(ttft / statistics.mean(native_ttft), 3)
-                                                   if ttft and native_ttft else None)
-                entry["levels"][str(level)] = rows
+                entry["levels"][str(level)] = self.level(shape, servers, level, rounds)
                 r.save()
-                cells = ", ".join(f"{k} {v['tokens_per_s']:.1f} t/s ttft {v['ttft_p50_ms']} ms"
-                                  + (f" ({v['ratio']:.3f})" if "ratio" in v else "") for k, v in rows.items())
-                r.log(f"{shape} serving c{level}: {cells}")
+
+    def level(self, shape: str, servers: dict[str, tuple[str, int]], level: int, rounds: int) -> dict:
+        """One concurrency level: native, then each remoting path and native again, `rounds` times.
+
+        Each remoting row is read against the two native rows around it (these machines drift), and
+        the level reports every round's ratio and their range, so a figure can give the range.
+        """
+        r = self.runner
+        order = ["native"] + [*r.args.serving_paths, "native"] * rounds
+        sequence = [{"row": key, **Streams([servers[key]], level, self.seconds).run().as_dict()} for key in order]
+        natives = [i for i, row in enumerate(sequence) if row["row"] == "native"]
+        for i, row in enumerate(sequence):
+            if row["row"] == "native":
+                continue
+            before = max(n for n in natives if n < i)
+            after = min(n for n in natives if n > i)
+            around = [sequence[before], sequence[after]]
+            base = statistics.mean(x["tokens_per_s"] for x in around)
+            row["ratio"] = round(row["tokens_per_s"] / base, 3) if base else None
+            ttfts = [x["ttft_p50_ms"] for x in around if x["ttft_p50_ms"]]
+            row["ttft_p50_ratio"] = (round(row["ttft_p50_ms"] / statistics.mean(ttfts), 3)
+                                     if row["ttft_p50_ms"] and ttfts else None)
+        # The first round keeps the earlier layout (native, each path, native_after) for older readers.
+        out: dict = {key: sequence[i] for i, key in enumerate(["native", *r.args.serving_paths])}
+        out["native_after"] = sequence[len(r.args.serving_paths) + 1]
+        out["sequence"] = sequence
+        out["rounds"] = rounds
+        for key in r.args.serving_paths:
+            ratios = [x["ratio"] for x in sequence if x["row"] == key and x["ratio"] is not None]
+            ttft = [x["ttft_p50_ratio"] for x in sequence if x["row"] == key and x["ttft_p50_ratio"] is not None]
+            out[f"{key}_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
+            out[f"{key}_ttft_ratio_range"] = [min(ttft), max(ttft)] if ttft else None
+        cells = ", ".join(f"{k} {out[f'{k}_ratio_range']} ttft {out[f'{k}_ttft_ratio_range']}"
+                          for k in r.args.serving_paths)
+        natives_tps = [round(sequence[i]["tokens_per_s"], 1) for i in natives]
+        r.log(f"{shape} serving c{level}: native t/s {natives_tps}; ratio ranges over {rounds} round(s): {cells}")
+        return out
 
     # -- several containers on one GPU -----------------------------------------------------
     def multi(self, shape: str) -> None:
