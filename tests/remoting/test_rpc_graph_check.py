@@ -249,6 +249,16 @@ def index_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
     floats, computed = s.at(9, F32, [2], 28672), s.at(3, I32, [2], 45056, op=OP_CPY, src=[9, 10])
     s.set(floats, array.array("f", [1.0, -1.0]).tobytes())  # -1: below the first expert
     nodes, tensors = mul_mat_id(s, computed)
+    # indices read by a first node, then rewritten by a later node before a second node reads them: the
+    # server reads each index tensor once per part, so the rewrite must start a new part and a new read
+    shared = s.at(2, I32, [2], 53248)
+    s.set(shared, struct.pack("<2i", 7, 2))
+    nine = s.at(13, F32, [2], 57344)
+    s.set(nine, array.array("f", [1.0, 9.0]).tobytes())
+    rewrite = s.at(15, I32, [2], 53248, op=OP_CPY, src=[13, 14])
+    reread = ([11, 15, 16], [table, shared, s.at(11, F32, [4, 2], 61440, op=OP_GET_ROWS, src=[1, 2]), nine,
+                             s.at(14, I32, [2], 53248), rewrite,
+                             s.at(16, F32, [4, 2], 73728, op=OP_GET_ROWS, src=[1, 2])])
     return {
         # the CPU reads the expert's matrix at ids * nb[2] (a wild pointer); GPUs do not look
         "mul-mat-id-with-an-expert-id-out-of-range": mul_mat_id(s, ids),
@@ -260,6 +270,7 @@ def index_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         # the server computes up to the node that reads them, then checks them
         "mul-mat-id-with-a-computed-expert-id-out-of-range": ([3, *nodes], [floats, s.at(10, I32, [2], 45056),
                                                                             computed, *tensors]),
+        "get-rows-with-indices-rewritten-out-of-range-after-a-first-read": reread,
     }
 
 
@@ -295,7 +306,8 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
-               "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range"]
+               "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
+               "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
 
 
 @pytest.mark.parametrize("name", KERNEL_CASES + INDEX_CASES)
@@ -341,6 +353,12 @@ def test_indices_in_range_compute_whether_given_or_computed(server) -> None:  # 
         out = s.at(11, F32, [4, 2], 40960, op=OP_GET_ROWS, src=[1, 2])
         s.compute([11], [table, rows, out])
         assert list(array.array("f", s.get(out, 32))) == [28.0, 29.0, 30.0, 31.0, 8.0, 9.0, 10.0, 11.0]
+        # two nodes that read one index tensor (as every layer reads the KV cache's rows): read once, both right
+        s.set(rows, struct.pack("<2i", 1, 6))
+        second = s.at(12, F32, [4, 2], 49152, op=OP_GET_ROWS, src=[1, 2])
+        s.compute([11, 12], [table, rows, out, second])
+        for result in (out, second):
+            assert list(array.array("f", s.get(result, 32))) == [4.0, 5.0, 6.0, 7.0, 24.0, 25.0, 26.0, 27.0]
         assert not s.closed_by_server()
     finally:
         s.close()
