@@ -24,7 +24,8 @@ ROW_FIELDS = ("mode", "backend", "client", "transport", "test", "tps_mean", "tps
 PPL_FIELDS = ("mode", "backend", "client", "transport", "ctx_size", "chunks", "ppl", "ppl_error", "nll",
               "ppl_rel_diff", "matches_native", "skipped_reason")
 LEVEL_FIELDS = ("concurrency", "requests", "completed", "errors", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms",
-                "itl_p95_ms", "output_tps_per_request", "output_tps_total", "request_throughput", "error_sample")
+                "itl_p95_ms", "output_tps_per_request", "output_tps_total", "request_throughput", "error_sample",
+                "mode", "transport", "ratio_to_native")
 _BAR = "█"
 _PARTIAL = " ▏▎▍▌▋▊▉"
 
@@ -201,15 +202,25 @@ def serving_table(levels: list[LevelResult], title: str = "serving load") -> Ren
     from rich.table import Table
 
     t = Table(title=f"{title} (latencies in ms)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    compared = any(lv.mode for lv in levels)  # `bench MODEL --serving`: native and remoting rows in turn
+    if compared:
+        t.add_column("mode", no_wrap=True)
     for name in ("conc", "ok", "err", "TTFT\np50", "TTFT\np95", "ITL\np50", "ITL\np95", "tok/s\n/req",
                  "tok/s\ntotal", "req/s"):
         t.add_column(name, justify="right", no_wrap=True)
+    if compared:
+        t.add_column("vs\nnative", justify="right", no_wrap=True)
     for lv in levels:
-        t.add_row(str(lv.concurrency), f"{lv.completed}/{lv.requests}",
-                  f"[red]{lv.errors}[/]" if lv.errors else "0",
-                  _fmt(lv.ttft_p50_ms, 1), _fmt(lv.ttft_p95_ms, 1), _fmt(lv.itl_p50_ms, 1),
-                  _fmt(lv.itl_p95_ms, 1), _fmt(lv.output_tps_per_request, 1), _fmt(lv.output_tps_total, 1),
-                  _fmt(lv.request_throughput, 2))
+        cells = [str(lv.concurrency), f"{lv.completed}/{lv.requests}",
+                 f"[red]{lv.errors}[/]" if lv.errors else "0",
+                 _fmt(lv.ttft_p50_ms, 1), _fmt(lv.ttft_p95_ms, 1), _fmt(lv.itl_p50_ms, 1),
+                 _fmt(lv.itl_p95_ms, 1), _fmt(lv.output_tps_per_request, 1), _fmt(lv.output_tps_total, 1),
+                 _fmt(lv.request_throughput, 2)]
+        if compared:
+            mode = f"{lv.mode} ({lv.transport})" if lv.mode != "native" and lv.transport else (lv.mode or "")
+            ratio = f"{lv.ratio_to_native:.2f}x" if lv.ratio_to_native is not None else ""
+            cells = [mode, *cells, ratio]
+        t.add_row(*cells)
     return t
 
 

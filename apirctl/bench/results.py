@@ -61,6 +61,11 @@ class LevelResult(BaseModel):
     output_tokens: int = 0
     wall_s: float = 0.0
     timed_out: bool = False
+    #: `bench MODEL --serving`: which server the row loaded (native or remoting), over what, and a
+    #: remoting row's output tokens/s over the mean of the native rows on either side of it
+    mode: str | None = None
+    transport: str | None = None
+    ratio_to_native: float | None = None
 
 
 class SystemInfo(BaseModel):
@@ -96,6 +101,9 @@ class Run(BaseModel):
 
     def summary(self) -> str:
         """One line for `bench history`."""
+        if self.kind == "serving" and any(lv.ratio_to_native is not None for lv in self.levels):
+            return "remoting vs native, " + ", ".join(f"c{lv.concurrency}: {lv.ratio_to_native:.2f}x"
+                                                      for lv in self.levels if lv.ratio_to_native is not None)
         if self.kind == "serving":
             parts = [f"c{lv.concurrency}: {lv.output_tps_total or 0:.1f} tok/s"
                      + (f" ({lv.errors} errors)" if lv.errors else "") for lv in self.levels]

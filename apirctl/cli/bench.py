@@ -22,12 +22,15 @@ HELP = (
     "`apirctl bench history` and `apirctl bench compare ID ID`.\n\n"
     "apirctl bench --url URL (or `--serving` for the running apirctl server) drives an "
     "OpenAI-compatible endpoint with streamed requests at each `--concurrency` level and reports time to "
-    "first token, inter-token latency, tokens/s and errors.\n\n"
+    "first token, inter-token latency, tokens/s and errors. `apirctl bench MODEL --serving` does it to the "
+    "host's own llama-server and to `apirctl serve MODEL` (the container's transport) in turn, native before "
+    "and after each container row, and gives the container's tokens/s as a ratio to native's.\n\n"
     "Examples:\n\n"
     "`apirctl bench smollm2 --modes native,container --reps 2`\n\n"
     "`apirctl bench smollm2 --modes native,remoting,apir`\n\n"
     "`apirctl bench smollm2 --format json --plot bench.png`\n\n"
-    "`apirctl bench --url http://127.0.0.1:1234 --concurrency 1,4,8 --requests 16`"
+    "`apirctl bench --url http://127.0.0.1:1234 --concurrency 1,4,8 --requests 16`\n\n"
+    "`apirctl bench smollm2 --serving --transport rpc --concurrency 1,8 --rounds 2`"
 )
 
 
@@ -71,7 +74,14 @@ def bench(
     plot: str = typer.Option(None, "--plot", help="Also write a bar chart to this PNG (needs apirctl[plot])."),
     save: bool = typer.Option(True, "--save/--no-save", help="Save the results to the history."),
     url: str = typer.Option(None, "--url", help="Serving load against this OpenAI-compatible endpoint."),
-    serving: bool = typer.Option(False, "--serving", help="Serving load against the running apirctl server."),
+    serving: bool = typer.Option(False, "--serving",
+                                 help="Serving load: with MODEL, native and `apirctl serve` of it side by side "
+                                      "(alternated, with the ratio); without, the running apirctl server."),
+    rounds: int = typer.Option(1, "--rounds", help="Serving with MODEL: remoting rows per level, each between "
+                                                   "two native rows."),
+    transport: str = typer.Option(None, "--transport",
+                                  help="Serving with MODEL: the served container's transport, as `serve "
+                                       "--transport` [default: serve's choice]."),
     server: str = typer.Option(None, "--server", help="Serving load against this apirctl server (name or id)."),
     concurrency: str = typer.Option("1,4", "--concurrency", help="Serving: concurrency levels, e.g. 1,4,8."),
     requests: int = typer.Option(8, "--requests", help="Serving: requests per concurrency level."),
@@ -92,6 +102,10 @@ def bench(
             from apirctl.errors import ApirctlError
 
             raise ApirctlError("--plot draws llama-bench runs; serving results are tables only")
+        if serving and model and not (url or server):
+            _serving_compared(model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit,
+                              rounds, transport)
+            return
         _serving(url, server, model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit)
         return
     _llama_bench(model, modes, pp, tg, reps, ngl, threads, output, Path(plot) if plot else None, save, client)
@@ -168,6 +182,37 @@ def _serving(url: str | None, server: str | None, model: str | None, output: str
                             description=f"concurrency {conc} · {done}/{total} requests")
 
         run = load.bench(target, params, on_progress, label=model)
+    if save:
+        results.save(run)
+    _print_run(run, output, saved=save, plot=None)
+
+
+def _serving_compared(model: str, output: str, save: bool, concurrency: str, requests: int, prompt_tokens: int,
+                      max_tokens: int, time_limit: float, rounds: int, transport: str | None) -> None:
+    from apirctl.bench import load, results, serving
+    from apirctl.bench import modes as bench_modes
+
+    params = load.LoadParams(concurrency=load.parse_concurrency(concurrency), requests=requests,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, time_limit=time_limit)
+    params.validate()
+    model_file = bench_modes.model_file(model)
+    rows_per_level = 1 + 2 * rounds
+    with _progress() as progress:
+        task = progress.add_task("starting native and remoting servers",
+                                 total=len(params.concurrency) * rows_per_level * params.requests)
+        state = {"row": -1}
+
+        def on_event(mode: str, conc: int, round_: int) -> None:
+            if mode != "ready":
+                state["row"] += 1
+                progress.update(task, completed=state["row"] * params.requests,
+                                description=f"concurrency {conc} · {mode}" + (f" · round {round_}" if round_ else ""))
+
+        def on_progress(conc: int, done: int, total: int) -> None:
+            progress.update(task, completed=state["row"] * params.requests + done)
+
+        run = serving.compare(model_file, params, rounds=rounds, transport=transport, on_event=on_event,
+                              on_progress=on_progress)
     if save:
         results.save(run)
     _print_run(run, output, saved=save, plot=None)

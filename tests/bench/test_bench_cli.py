@@ -247,3 +247,32 @@ def test_serving_time_limit_cancels_and_counts_errors(llama_server: Server) -> N
     assert level["timed_out"] is True
     assert level["errors"] == level["requests"] - level["completed"] >= 1
     assert "time limit" in level["error_sample"]
+
+
+@pytest.mark.integration
+def test_serving_native_and_remoting_side_by_side(
+    llama_build: Any, demo_model: Path, llama_image: str, podman: str
+) -> None:
+    """`apirctl bench MODEL --serving`: the host's llama-server and `apirctl serve` of the same model (over the
+    machine's RPC backend) loaded in turn, native around each remoting row; both servers gone after it."""
+    port = free_port()
+    started = run_cli("machine", "restart", "--remoting", "--port", str(port), "--threads", "2")
+    assert started.returncode == 0, started.stderr
+    try:
+        proc = run_cli("bench", str(demo_model), "--serving", "--transport", "rpc", "--concurrency", "1,2",
+                       "--requests", "2", "--prompt-tokens", "16", "--max-tokens", "8", "--json", "--no-save",
+                       timeout=900)
+        left = run_cli("ps", "-a", "--json")
+    finally:
+        run_cli("machine", "stop")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert [(lv["mode"], lv["concurrency"]) for lv in data["levels"]] == [
+        ("native", 1), ("remoting", 1), ("native", 1), ("native", 2), ("remoting", 2), ("native", 2)]
+    for lv in data["levels"]:
+        assert lv["errors"] == 0 and lv["completed"] == 2 and lv["output_tps_total"] > 0, lv
+        if lv["mode"] == "remoting":
+            assert lv["transport"].startswith("rpc") and lv["ratio_to_native"] > 0, lv
+        else:
+            assert lv["ratio_to_native"] is None and lv["transport"].startswith("host"), lv
+    assert left.returncode == 0 and not [s for s in json.loads(left.stdout) if "bench-serving" in s["name"]]

@@ -1,0 +1,146 @@
+"""Serving load on one model natively and through the container's transport, side by side.
+
+`apirctl bench MODEL --serving` starts the host build's llama-server (native) and an `apirctl serve` of
+the same model (the container, on the transport `serve` picks: remoting where a backend runs), both with
+as many slots as the highest concurrency, and loads them in turn at each level: native, remoting,
+native (and again for each further round). Each remoting row is read against the native rows on either
+side of it, because these machines drift; a level's ratio is its output tokens/s over their mean.
+Both servers are stopped whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from apirctl import serve
+from apirctl.bench import load, system
+from apirctl.bench.modes import ModelFile
+from apirctl.bench.results import LevelResult, Run, new_id, now_iso
+from apirctl.build import llamacpp
+from apirctl.errors import ApirctlError
+
+#: Called with (mode, concurrency, round) as each row starts, and ("ready", 0, 0) once both serve.
+ServingEventFn = Callable[[str, int, int], None]
+READY_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    mode: str
+    url: str
+    transport: str
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | None) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log else []
+            raise ApirctlError(f"the native llama-server exited ({proc.returncode}): {' '.join(tail)}",
+                               hint="`apirctl doctor` checks the host build")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise ApirctlError(f"the native llama-server did not answer /health within {READY_TIMEOUT_S:.0f} s",
+                       hint="a large model may need longer; `apirctl bench --url` loads a server you started")
+
+
+@contextlib.contextmanager
+def _native(model: ModelFile, slots: int, ctx_size: int, workdir: Path) -> Iterator[Endpoint]:
+    """The host build's llama-server on a free loopback port."""
+    build = llamacpp.current_build()
+    if build is None:
+        raise ApirctlError("native serving needs llama.cpp built on this host", hint="run `apirctl setup`")
+    port = _free_port()
+    log = workdir / "native-llama-server.log"
+    argv = [str(build.binary("llama-server")), "-m", str(model.path), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(ctx_size), "--no-webui"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_healthy(url, proc, log)
+        yield Endpoint("native", url, f"host ({build.backend})")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def _container(model: ModelFile, slots: int, ctx_size: int, transport: str | None) -> Iterator[Endpoint]:
+    """`apirctl serve` of the model under a name of its own, stopped at the end."""
+    name = f"apirctl-bench-serving-{uuid.uuid4().hex[:8]}"
+    opts = serve.options(str(model.path), name=name, port=_free_port(), transport=transport, ctx_size=ctx_size,
+                         llama_args=["-np", str(slots)])
+    started = serve.start(opts)
+    try:
+        link = started.server.rpc_link
+        # `auto` may serve on the container's own CPU (no backend faster than it): then it is no remoting row
+        mode = "container" if started.server.transport == "none" else "remoting"
+        yield Endpoint(mode, started.server.url, started.server.transport + (f" ({link})" if link else ""))
+    finally:
+        with contextlib.suppress(ApirctlError):
+            serve.stop(name)
+
+
+def compare(model: ModelFile, params: load.LoadParams, rounds: int = 1, transport: str | None = None,
+            on_event: ServingEventFn | None = None, on_progress: load.LoadProgressFn | None = None) -> Run:
+    """Each concurrency level as native, remoting, native, ... `rounds` times; every remoting level
+    carries its ratio to the native rows around it."""
+    params.validate()
+    if rounds < 1:
+        raise ApirctlError("--rounds must be at least 1")
+    slots = max(params.concurrency)
+    # room for every slot's prompt and answer, with llama.cpp's own margin
+    ctx_size = slots * (params.prompt_tokens * 2 + params.max_tokens + 64)
+    levels: list[LevelResult] = []
+    workdir = Path(os.environ.get("TMPDIR", "/tmp"))
+    with _native(model, slots, ctx_size, workdir) as native, _container(model, slots, ctx_size, transport) as remote:
+        if on_event:
+            on_event("ready", 0, 0)
+        for conc in params.concurrency:
+            level = load.LoadParams(concurrency=(conc,), requests=params.requests, prompt_tokens=params.prompt_tokens,
+                                    max_tokens=params.max_tokens, time_limit=params.time_limit,
+                                    request_timeout=params.request_timeout)
+            order = [native] + [remote, native] * rounds
+            rows: list[LevelResult] = []
+            for n, endpoint in enumerate(order):
+                if on_event:
+                    on_event(endpoint.mode, conc, (n + 1) // 2)
+                _, [row] = load.run(endpoint.url, level, on_progress)
+                rows.append(row.model_copy(update={"mode": endpoint.mode, "transport": endpoint.transport}))
+            for n in range(1, len(rows), 2):
+                tps = rows[n].output_tps_total
+                around = [v for v in (rows[n - 1].output_tps_total, rows[n + 1].output_tps_total) if v]
+                if tps is not None and len(around) == 2:
+                    rows[n] = rows[n].model_copy(update={"ratio_to_native": tps / statistics.mean(around)})
+            levels.extend(rows)
+    return Run(
+        id=new_id(), created=now_iso(), kind="serving", model=model.label, model_file=model.filename,
+        params={"modes": ["native", remote.mode], "rounds": rounds, "concurrency": list(params.concurrency),
+                "requests": params.requests, "prompt_tokens": params.prompt_tokens, "max_tokens": params.max_tokens,
+                "time_limit": params.time_limit, "slots": slots},
+        system=system.collect(), levels=levels,
+    )
