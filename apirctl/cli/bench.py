@@ -60,7 +60,9 @@ def bench(
     ctx: typer.Context,
     model: str = typer.Argument(None, help="Model: alias (smollm2), GGUF path, hf://, ollama://, https://."),
     modes: str = typer.Option("native,remoting,container", "--modes",
-                              help="Comma-separated modes to run, in order: native, remoting, container, apir."),
+                              help="Comma-separated modes to run, in order: native, remoting, container, apir. "
+                                   "With MODEL --serving: native and any of remoting, container, vm-cpu, "
+                                   "vm-remoting [default there: native,remoting]."),
     pp: int = typer.Option(512, "--pp", help="Prompt tokens for the prompt-processing test (0: skip it)."),
     tg: int = typer.Option(128, "--tg", help="Tokens to generate for the generation test (0: skip it)."),
     reps: int = typer.Option(5, "--reps", "-r", help="Repetitions of each test (mean and std over them)."),
@@ -104,18 +106,21 @@ def bench(
             raise ApirctlError("--plot draws llama-bench runs; serving results are tables only")
         if serving and model and not (url or server):
             _serving_compared(model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit,
-                              rounds, transport)
+                              rounds, transport, modes if _given(ctx, "modes") else None)
             return
         _serving(url, server, model, output, save, concurrency, requests, prompt_tokens, max_tokens, time_limit)
         return
     _llama_bench(model, modes, pp, tg, reps, ngl, threads, output, Path(plot) if plot else None, save, client)
 
 
+def _given(ctx: typer.Context, name: str) -> bool:
+    return getattr(ctx.get_parameter_source(name), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
+
+
 def _serving_flags_given(ctx: typer.Context) -> bool:
     """`apirctl bench --concurrency 1,4` (serving flags, no --url): load the running apirctl server."""
     names = ("concurrency", "requests", "prompt_tokens", "max_tokens", "time_limit")
-    given = any(getattr(ctx.get_parameter_source(n), "name", "DEFAULT") not in ("DEFAULT", "DEFAULT_MAP")
-                for n in names)
+    given = any(_given(ctx, n) for n in names)
     return given and ctx.params.get("model") is None
 
 
@@ -188,15 +193,17 @@ def _serving(url: str | None, server: str | None, model: str | None, output: str
 
 
 def _serving_compared(model: str, output: str, save: bool, concurrency: str, requests: int, prompt_tokens: int,
-                      max_tokens: int, time_limit: float, rounds: int, transport: str | None) -> None:
+                      max_tokens: int, time_limit: float, rounds: int, transport: str | None,
+                      modes: str | None) -> None:
     from apirctl.bench import load, results, serving
     from apirctl.bench import modes as bench_modes
 
     params = load.LoadParams(concurrency=load.parse_concurrency(concurrency), requests=requests,
                              prompt_tokens=prompt_tokens, max_tokens=max_tokens, time_limit=time_limit)
     params.validate()
+    served = serving.parse_modes(modes) if modes else list(serving.DEFAULT_MODES)
     model_file = bench_modes.model_file(model)
-    rows_per_level = 1 + 2 * rounds
+    rows_per_level = 1 + 2 * rounds * len(served)
     with _progress() as progress:
         task = progress.add_task("starting native and remoting servers",
                                  total=len(params.concurrency) * rows_per_level * params.requests)
@@ -211,8 +218,8 @@ def _serving_compared(model: str, output: str, save: bool, concurrency: str, req
         def on_progress(conc: int, done: int, total: int) -> None:
             progress.update(task, completed=state["row"] * params.requests + done)
 
-        run = serving.compare(model_file, params, rounds=rounds, transport=transport, on_event=on_event,
-                              on_progress=on_progress)
+        run = serving.compare(model_file, params, modes=served, rounds=rounds, transport=transport,
+                              on_event=on_event, on_progress=on_progress)
     if save:
         results.save(run)
     _print_run(run, output, saved=save, plot=None)

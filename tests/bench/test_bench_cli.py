@@ -276,3 +276,10 @@ def test_serving_native_and_remoting_side_by_side(
         else:
             assert lv["ratio_to_native"] is None and lv["transport"].startswith("host"), lv
     assert left.returncode == 0 and not [s for s in json.loads(left.stdout) if "bench-serving" in s["name"]]
+
+
+def test_serving_modes_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    """A served mode that does not exist, or native alone, is one line, before a model or server is touched."""
+    for modes in ("native,apir", "native", "remoting,remoting"):
+        proc = run_cli("bench", str(tmp_path / "absent.gguf"), "--serving", "--modes", modes)
+        one_line_error(proc, "for serving: name each of remoting, container, vm-cpu, vm-remoting at most once")
