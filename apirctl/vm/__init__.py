@@ -10,7 +10,7 @@ and its backend end together).
 
 from __future__ import annotations
 
-from apirctl.vm.accel import Accel, choose, kvm_problem
+from apirctl.vm.accel import Accel, choose, kvm_problem, tcg_unemulated
 from apirctl.vm.boot import BootFiles, ensure_boot_files
 from apirctl.vm.machines import (
     GUEST_RPC_ENDPOINT,
@@ -31,4 +31,4 @@ from apirctl.vm.rootfs import RootFs, ensure_rootfs
 
 __all__ = ["GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "RootFs", "VmRecord", "choose", "ensure_boot_files",
            "ended", "ensure_rootfs", "exists", "kvm_problem", "launch", "alive", "relay_alive", "server_of",
-           "server_tail", "logs", "records", "remove", "servers"]
+           "server_tail", "logs", "records", "remove", "servers", "tcg_unemulated"]

@@ -17,6 +17,7 @@ from apirctl.errors import ApirctlError
 
 KVM = Path("/dev/kvm")
 MODULES = Path("/sys/module")
+CPUINFO = Path("/proc/cpuinfo")
 HINT = ("give this user access to /dev/kvm: `sudo usermod -aG kvm $USER` and log in again "
         "(or load KVM: `sudo modprobe kvm_intel` / `kvm_amd`)")
 
@@ -51,3 +52,16 @@ def choose(setting: str = "auto") -> Accel:
     if setting == "kvm":
         raise ApirctlError(f"cannot run a VM on KVM: {problem}", hint=HINT)
     return Accel("tcg", f"emulated (TCG, slow): {problem}")
+
+
+def tcg_unemulated(cpuinfo: Path = CPUINFO) -> str | None:
+    """An instruction set this host's CPU has and QEMU's emulation does not (TCG stops at AVX2), or None.
+
+    A llama.cpp built for this CPU (GGML_NATIVE, apirctl's default) uses it, and in an emulated VM its
+    programs die of an illegal instruction as soon as they compute, before a line says why."""
+    try:
+        text = cpuinfo.read_text(errors="replace")
+    except OSError:
+        return None
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "AVX-512" if "avx512f" in flags else None

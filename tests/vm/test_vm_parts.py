@@ -140,3 +140,32 @@ def test_a_vm_whose_qemu_is_gone_is_listed_exited_logged_refused_a_restart_and_r
     assert "Traceback" not in refused.stderr
     assert _cli("stop", name).returncode == 0
     assert not folder.exists()
+
+
+def test_an_instruction_set_that_qemus_emulation_lacks_is_named(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 avx512f avx512dq\n\nprocessor\t: 1\n")
+    assert accel.tcg_unemulated(cpuinfo) == "AVX-512"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse4_2 avx avx2 fma\n")
+    assert accel.tcg_unemulated(cpuinfo) is None
+    assert accel.tcg_unemulated(tmp_path / "absent") is None
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(accel.kvm_problem() is None or accel.tcg_unemulated() is None,
+                    reason="this host runs VMs on KVM, or its CPU has nothing QEMU's emulation lacks")
+def test_an_emulated_vm_that_could_not_run_the_image_is_one_line_and_leaves_nothing(
+        demo_model: Path, llama_image: str, podman: str) -> None:
+    """Here VMs run emulated and the host build uses AVX-512: the VM's llama-server would die of an
+    illegal instruction with nothing on its console. serve says so before a VM boots."""
+    done = subprocess.run([sys.executable, "-m", "apirctl", "serve", str(demo_model), "--isolation", "vm",
+                           "--transport", "none", "--name", "vm-tcg-refused", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[0].startswith("apirctl: error: a VM here runs on QEMU's emulation, which lacks AVX-512"), lines
+    assert lines[1].startswith("hint: serve in a container"), lines
+    assert not machines.folder("vm-tcg-refused").exists()
+    listed = subprocess.run([sys.executable, "-m", "apirctl", "ps", "-a", "--json"], capture_output=True, text=True,
+                            timeout=60)
+    assert "vm-tcg-refused" not in listed.stdout
