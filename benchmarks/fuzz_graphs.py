@@ -298,6 +298,8 @@ class HostCampaign:
                 "graphs_computed": counted.computed, "graphs_built": counted.built, "graphs_refused": counted.refused,
                 # the APIR host's EXT_GRAPH_DELTA: graphs computed again after a kept one was updated
                 "graphs_computed_after_delta": counted.deltas_computed, "deltas_refused": counted.deltas_refused,
+                # and kept graphs run by id after a BUFFER_CLEAR of one of their buffers
+                "graphs_computed_after_clear": counted.clears_computed, "clears_refused": counted.clears_refused,
                 "inputs": self.inputs, "edges": self.edges,
                 "corpus_at_end": len(list(self.corpus.iterdir())),
                 "findings": len(self.findings) + len(self.failures), "crashing_inputs": len(self.findings),
@@ -341,7 +343,8 @@ def run_hunt(fuzzer: Path, seconds: int, artifacts: Path, jobs: int) -> dict:
     done = campaign.hunt(fuzzer, seconds, artifacts, jobs=jobs)
     found = campaign.classify_all(fuzzer, [Path(p) for p in done.result.findings])
     return {"inputs": done.result.inputs, "graphs_built": done.graphs_built, "graphs_computed": done.graphs_computed,
-            "graphs_computed_after_delta": done.deltas_computed, "seconds": done.result.seconds,
+            "graphs_computed_after_delta": done.deltas_computed, "graphs_computed_after_clear": done.clears_computed,
+            "clears_refused": done.clears_refused, "seconds": done.result.seconds,
             "cpu_seconds": round(cpu_seconds() - cpu0, 1), "findings": len(found),
             **campaign.summary(found, start_wall)}
 

@@ -4,7 +4,9 @@ the pinned, patched source built with AddressSanitizer and UndefinedBehaviorSani
 Each campaign computes graphs through a host's real entry point (the APIR backend library's
 dispatcher; ggml-rpc's server loop) on the real CPU backend: any sanitizer report, abort, signal or
 slow input is a finding, and the test asserts none. On the APIR host, inputs with their delta flag
-also update the kept graph by EXT_GRAPH_DELTA (patch 0021) and compute it again. The long campaign
+also update the kept graph by EXT_GRAPH_DELTA (patch 0021) and compute it again, and with their
+clear flag clear one of its buffers first and run it by id (BUFFER_CLEAR keeps kept graphs since
+patch 0013, so the run's index checks must refuse indices a clear made -1). The long campaign
 is benchmarks/fuzz_graphs.py; its figures are in docs/reliability.md.
 """
 
@@ -85,13 +87,22 @@ def test_the_host_computes_every_seed(fuzzers: dict[str, Path], host: str, tmp_p
     if host == "apir_graph_fuzz":
         # the delta seeds' updated graphs pass the delta's checks and compute; the hostile change is refused
         assert done.deltas_computed >= DELTA_SEEDS_COMPUTED and done.deltas_refused >= 1, done.result.log_tail
+        # a kept graph run by id after a clear: benign contents computed, indices cleared to -1 refused
+        assert done.clears_computed >= CLEAR_SEEDS_COMPUTED >= 1, done.result.log_tail
+        assert done.clears_refused >= CLEAR_SEEDS_REFUSED >= 1, done.result.log_tail
     else:
         assert done.deltas_computed == done.deltas_refused == 0  # the RPC transport has no deltas
+        assert done.clears_computed == done.clears_refused == 0
 
 
 #: The updates by EXT_GRAPH_DELTA that the corpus's delta seeds (seeds.py) compute: 3 of mul_mat-batch, 1 of
 #: kv-store-batch and of rope-hostile, 2 of each of the other eleven.
 DELTA_SEEDS_COMPUTED = 27
+#: The clear seeds' runs by id after a clear (seeds.py): computed, 1 each of get_rows-ids and
+#: mul_mat_id-ids and 2 of set_rows-f32; refused (a clear to 0xff of the indices), get_rows-ids,
+#: mul_mat_id-ids and set_rows-i64-kv.
+CLEAR_SEEDS_COMPUTED = 4
+CLEAR_SEEDS_REFUSED = 3
 
 
 # An input slower than this is a finding. A quantizing copy into IQ4_NL of a large tensor took 23 s

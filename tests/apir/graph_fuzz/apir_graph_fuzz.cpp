@@ -25,6 +25,15 @@
 // into `which`'s change (a shape, a stride, an offset, another buffer, id, op, view source or index).
 // The delta checks must refuse what the kernels cannot compute; what they take is computed.
 //
+// When bit 2 of the first byte is set too, each delta is preceded by a clear:
+//
+//     delta  := c:u8 [value:u8 when c is even] k:u8 ...
+//
+// an even c is BUFFER_CLEAR of buffer (c / 2) % n_buffers with `value`, then the kept graph run by id
+// (EXT_GRAPH_RUN, graph_size 0). A clear leaves the kept graphs in place (patch 0013): indices it
+// sets out of range (0xff: -1) must be refused by the run's index checks, other contents computed;
+// a refused run ends the input's deltas as a refused delta does.
+//
 // Built with clang -fsanitize=fuzzer,address,undefined against libraries compiled with
 // -fsanitize=address,undefined,fuzzer-no-link (build.py).
 //
@@ -112,6 +121,7 @@ static_assert(sizeof(apir_rpc_tensor_wide) == 328, "apir_rpc_tensor_wide is a wi
 constexpr uint32_t CMD_GET_BUFFER_TYPE = 7;
 constexpr uint32_t CMD_ALLOC_BUFFER    = 14;
 constexpr uint32_t CMD_SET_TENSOR      = 17;
+constexpr uint32_t CMD_BUFFER_CLEAR    = 20;
 constexpr uint32_t CMD_FREE_BUFFER     = 21;
 constexpr uint32_t CMD_GRAPH_COMPUTE   = 22;
 constexpr uint32_t CMD_GET_FEATURES    = 256;
@@ -294,14 +304,17 @@ void set_features(uint64_t wanted) {
     call(CMD_GET_FEATURES, req.bytes);
 }
 
-// EXT_GRAPH_RUN (`changes` empty: the serialization in resource 2, kept under GRAPH_ID) or
-// EXT_GRAPH_DELTA (`changes` in resource 2), with no writes or outputs: whether the graph was computed
+// EXT_GRAPH_RUN (`changes` empty: the serialization in resource 2, kept under GRAPH_ID; `graph` empty
+// too: graph_size 0, the graph kept under GRAPH_ID) or EXT_GRAPH_DELTA (`changes` in resource 2), with
+// no writes or outputs: whether the graph was computed
 bool graph_run(const std::vector<uint8_t> & graph, const std::vector<apir_graph_change> & changes) {
     writer run;
     run.put(GRAPH_ID);
     run.put(RES_GRAPH);
     if (changes.empty()) {
-        memcpy(resources[1].ptr, graph.data(), graph.size());
+        if (!graph.empty()) {
+            memcpy(resources[1].ptr, graph.data(), graph.size());
+        }
         run.put((uint64_t) graph.size());
     } else {
         memcpy(resources[1].ptr, changes.data(), changes.size() * sizeof(apir_graph_change));
@@ -425,12 +438,43 @@ void make_hostile(apir_graph_change & c, int kind, const std::vector<uint64_t> &
     }
 }
 
+// BUFFER_CLEAR of a buffer with `value` (as a frontend sends it: the byte in a u32), then the kept
+// graph computed by id: whether the host computed it
+bool clear_and_run(uint64_t buffer, uint8_t value) {
+    writer clear;
+    clear.put(buffer);
+    clear.put((uint32_t) value);
+    if (!call(CMD_BUFFER_CLEAR, clear.bytes)) {
+        fprintf(stderr, "apir-graph-fuzz: a clear of a buffer of the input was refused\n");
+        abort();
+    }
+    fresh_backend();
+    return graph_run({}, {});  // graph_size 0: the graph kept under GRAPH_ID
+}
+
 // The input's deltas, after the graph was computed and kept: each made from the graph as the host
-// keeps it, sent, and computed, until one is refused (the host then keeps the graph no more).
-void run_deltas(gfuzz::reader & r, const gfuzz::graph & first, const std::vector<uint64_t> & buffers, bool wide) {
+// keeps it, sent, and computed, until one is refused (the host then keeps the graph no more). With
+// `clears`, each is preceded by a byte that may clear a buffer and run the kept graph (header).
+void run_deltas(gfuzz::reader & r, const gfuzz::graph & first, const std::vector<uint64_t> & buffers, bool wide,
+                bool clears) {
     gfuzz::graph kept = first;
     const int    n    = 1 + r.u8() % 4;
     for (int k = 0; k < n; k++) {
+        if (clears) {
+            const uint8_t c = r.u8();
+            if (c % 2 == 0) {
+                const size_t  which = (size_t) (c / 2) % buffers.size();
+                const uint8_t value = r.u8();
+                if (describe_graphs) {
+                    fprintf(stderr, "delta %d: buffer b%zu cleared with 0x%02x, the kept graph run\n", k, which, value);
+                }
+                if (!clear_and_run(buffers[which], value)) {
+                    counts->clears_refused++;
+                    return;
+                }
+                counts->clears_computed++;
+            }
+        }
         gfuzz::graph now     = kept;
         int          which   = 0;
         int          hostile = 0;
@@ -493,9 +537,10 @@ void print_stats() {
         return;
     }
     fprintf(stderr,
-            "apir-graph-fuzz: %zu inputs, %zu graphs computed, %zu computed after a delta, %zu deltas refused\n",
+            "apir-graph-fuzz: %zu inputs, %zu graphs computed, %zu computed after a delta, %zu deltas refused, "
+            "%zu computed after a clear, %zu refused after a clear\n",
             (size_t) counts->inputs, (size_t) counts->computed, (size_t) counts->deltas_computed,
-            (size_t) counts->deltas_refused);
+            (size_t) counts->deltas_refused, (size_t) counts->clears_computed, (size_t) counts->clears_refused);
     for (int op = 0; op < GGML_OP_COUNT; op++) {
         if (tried[op]) {
             fprintf(stderr, "  %-16s tried %8zu computed %8zu\n", ggml_op_name((ggml_op) op), tried[op], accepted[op]);
@@ -622,7 +667,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     counts->refused += !ok;
     if (delta && ok) {
         gfuzz::reader r{ data + used, size - used };
-        run_deltas(r, g, buffers, wide);
+        run_deltas(r, g, buffers, wide, (data[0] & 4) != 0);
     }
 
     for (uint64_t buffer : buffers) {

@@ -33,8 +33,9 @@ from tests.apir.fuzz.campaign import Result, parse
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "corpus"
 #: A harness's counts file (graph_gen.h's `counts`): inputs that built a graph, graphs computed, refused,
-#: graphs computed after a delta, deltas refused (the last two: the APIR harness's EXT_GRAPH_DELTA).
-COUNTS = struct.Struct("<QQQQQ")
+#: graphs computed after a delta, deltas refused (the APIR harness's EXT_GRAPH_DELTA), kept graphs computed
+#: and refused when run by id after a BUFFER_CLEAR (the APIR harness's clears).
+COUNTS = struct.Struct("<QQQQQQQ")
 ASAN = re.compile(r"ERROR: AddressSanitizer: ([\w-]+)")
 ACCESS = re.compile(r"^(READ|WRITE) of size (\d+)", re.M)
 UBSAN = re.compile(r"([\w./-]+:\d+):\d+: runtime error: (.*)")
@@ -67,6 +68,8 @@ class Counts(NamedTuple):
     refused: int  # graphs the host's checks refused
     deltas_computed: int = 0  # graphs computed after the host updated a kept graph by a delta
     deltas_refused: int = 0  # deltas the host refused
+    clears_computed: int = 0  # kept graphs computed by id after a BUFFER_CLEAR of one of their buffers
+    clears_refused: int = 0  # runs by id after a clear the host refused (indices out of range)
 
 
 def read_counts(folder: Path) -> Counts:
@@ -108,6 +111,8 @@ class Campaign:
     graphs_computed: int = 0
     deltas_computed: int = 0  # of graphs_computed's inputs: graphs computed again after a delta
     deltas_refused: int = 0
+    clears_computed: int = 0  # kept graphs computed by id after a BUFFER_CLEAR
+    clears_refused: int = 0  # runs by id after a clear the host refused
 
 
 def _seed(work: Path, corpus: Path | None) -> None:
@@ -140,7 +145,7 @@ def run(fuzzer: Path, runs: int, artifacts: Path, seed: int = 1, max_total_time:
         result.log_tail = done.stderr[-4000:]
         counted = read_counts(counts)
         return Campaign(str(fuzzer), result, counted.built, counted.computed, counted.deltas_computed,
-                        counted.deltas_refused)
+                        counted.deltas_refused, counted.clears_computed, counted.clears_refused)
 
 
 def hunt(fuzzer: Path, seconds: int, artifacts: Path, seed: int = 1, timeout: int = 10,
@@ -167,7 +172,7 @@ def hunt(fuzzer: Path, seconds: int, artifacts: Path, seed: int = 1, timeout: in
         result.log_tail = done.stderr[-4000:]
         counted = read_counts(counts)  # every fork-mode child's, those that crashed too
         return Campaign(str(fuzzer), result, counted.built, counted.computed, counted.deltas_computed,
-                        counted.deltas_refused)
+                        counted.deltas_refused, counted.clears_computed, counted.clears_refused)
 
 
 @dataclass
@@ -314,13 +319,15 @@ def main() -> None:
         found = classify_all(args.fuzzer, [Path(p) for p in done.result.findings])
         print(json.dumps({"inputs": done.result.inputs, "graphs_built": done.graphs_built,
                           "graphs_computed": done.graphs_computed, "deltas_computed": done.deltas_computed,
+                          "clears_computed": done.clears_computed, "clears_refused": done.clears_refused,
                           "seconds": done.result.seconds,
                           **summary(found, start)}, indent=2))
         return
     done = run(args.fuzzer, args.runs, args.artifacts.resolve(), args.seed, args.max_total_time)
     print(json.dumps({**asdict(done.result), "graphs_built": done.graphs_built,
                       "graphs_computed": done.graphs_computed, "deltas_computed": done.deltas_computed,
-                      "deltas_refused": done.deltas_refused, "clean": done.result.clean}, indent=2))
+                      "deltas_refused": done.deltas_refused, "clears_computed": done.clears_computed,
+                      "clears_refused": done.clears_refused, "clean": done.result.clean}, indent=2))
 
 
 if __name__ == "__main__":

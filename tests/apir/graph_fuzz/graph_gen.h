@@ -45,6 +45,8 @@ struct counts {
     uint64_t refused;   // graphs the host refused
     uint64_t deltas_computed;  // graphs the host computed after updating a kept one by a delta (APIR)
     uint64_t deltas_refused;   // deltas the host refused
+    uint64_t clears_computed;  // kept graphs the host computed by id after a BUFFER_CLEAR (APIR)
+    uint64_t clears_refused;   // runs by id after a BUFFER_CLEAR the host refused (indices out of range)
 };
 
 inline counts * map_counts(const char * harness) {

@@ -43,9 +43,10 @@ def weight(name: str) -> bytes:
     return b(1, ANY[name])
 
 
-def program(*nodes: bytes, wide: bool = False, seed: int = 30, deltas: bytes = b"") -> bytes:
-    """With `deltas` (deltas()), the APIR harness keeps the graph by id and updates it by EXT_GRAPH_DELTA."""
-    flags = int(wide) | (2 if deltas else 0)
+def program(*nodes: bytes, wide: bool = False, seed: int = 30, deltas: bytes = b"", clears: bool = False) -> bytes:
+    """With `deltas` (deltas()), the APIR harness keeps the graph by id and updates it by EXT_GRAPH_DELTA;
+    with `clears` too, `deltas` is cleared()'s: each delta preceded by a clear and a run of the kept graph."""
+    flags = int(wide) | (2 if deltas else 0) | (4 if clears else 0)
     return b(flags) + struct.pack("<I", seed) + b(len(nodes) - 1) + b"".join(nodes) + deltas
 
 
@@ -71,6 +72,21 @@ def hostile(which: int, kind: int) -> bytes:
 def deltas(*each: tuple[bytes, ...]) -> bytes:
     """The deltas after a graph: each a tuple of 1..4 steps."""
     return b(len(each) - 1) + b"".join(b(len(steps) - 1) + b"".join(steps) for steps in each)
+
+
+#: No clear before a delta (an odd byte)
+NO_CLEAR = b(1)
+
+
+def clear(buffer: int, value: int) -> bytes:
+    """BUFFER_CLEAR of the graph's buffer `buffer` (one per tensor that is not a view, in the generator's
+    order) with `value`, then the kept graph run by id."""
+    return b(2 * buffer, value)
+
+
+def cleared(*each: tuple[bytes, tuple[bytes, ...]]) -> bytes:
+    """The deltas after a graph with clears (program(clears=True)): each a clear() or NO_CLEAR, and its steps."""
+    return b(len(each) - 1) + b"".join(c + b(len(steps) - 1) + b"".join(steps) for c, steps in each)
 
 
 def mul_mat(w: str, k: int, m: int, n: int, a2: int = 1, a3: int = 1, r2: int = 1, r3: int = 1,
@@ -238,6 +254,21 @@ def seeds() -> dict[str, bytes]:
                                         deltas=deltas((batch(0, 1, 4),), (batch(0, 1, 8),))),
         "delta-rope-hostile": program(rope(64, 4, 3), wide=True,
                                       deltas=deltas((batch(1, 0, 2),), (hostile(2, 1),))),
+        # a kept graph's buffer cleared (BUFFER_CLEAR keeps the host's graphs), then the graph run by id:
+        # indices cleared to 0 or floats to anything compute, indices cleared to 0xff (-1) are refused.
+        # Buffers: GET_ROWS rows 0, ids 1; MUL_MAT_ID experts 0, b 1, ids 2; SET_ROWS rows 0, b 1, ids 2
+        "clear-get_rows-ids": program(get_rows("f16", 32, 8, 3), clears=True,
+                                      deltas=cleared((clear(1, 0x00), (batch(1, 0, 1),)),
+                                                     (clear(1, 0xFF), (batch(1, 0, 3),)))),
+        "clear-mul_mat_id-ids": program(mul_mat_id("q4_0", 64, 32, 8, 2, 4), clears=True,
+                                        deltas=cleared((clear(1, 0x3F), (batch(1, 2, 2),)),
+                                                       (clear(2, 0xFF), (batch(1, 2, 4),)))),
+        "clear-set_rows-f32": program(set_rows("f32", 16, 8, 2, i64=False), clears=True,
+                                      deltas=cleared((clear(1, 0x00), (batch(2, 0, 1),)),
+                                                     (NO_CLEAR, (batch(2, 0, 2),)),
+                                                     (clear(2, 0x00), (batch(2, 0, 1),)))),
+        "clear-set_rows-i64-kv": program(set_rows("f16", 64, 32, 3), clears=True,
+                                         deltas=cleared((clear(2, 0xFF), (batch(2, 0, 1),)))),
     }
     return out
 
