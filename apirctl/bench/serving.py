@@ -29,7 +29,7 @@ from apirctl.bench import load, system
 from apirctl.bench.modes import ModelFile
 from apirctl.bench.results import LevelResult, Run, new_id, now_iso
 from apirctl.build import llamacpp
-from apirctl.errors import ApirctlError
+from apirctl.errors import ApirctlError, tail
 
 #: Called with (mode, concurrency, round) as each row starts, and ("ready", 0, 0) once both serve.
 ServingEventFn = Callable[[str, int, int], None]
@@ -53,8 +53,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes] | None, log: Path | No
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            tail = log.read_text(errors="replace").strip().splitlines()[-1:] if log else []
-            raise ApirctlError(f"the native llama-server exited ({proc.returncode}): {' '.join(tail)}",
+            raise ApirctlError(f"the native llama-server exited ({proc.returncode}): {tail(log, default='no log')}",
                                hint="`apirctl doctor` checks the host build")
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
