@@ -16,6 +16,7 @@ import os
 import socket
 import statistics
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -146,8 +147,9 @@ def compare(model: ModelFile, params: load.LoadParams, modes: list[str] | None =
     # room for every slot's prompt and answer, with llama.cpp's own margin
     ctx_size = slots * (params.prompt_tokens * 2 + params.max_tokens + 64)
     levels: list[LevelResult] = []
-    workdir = Path(os.environ.get("TMPDIR", "/tmp"))
     with contextlib.ExitStack() as stack:
+        # the native server's log, quoted when it fails to start, and removed with the run
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="apirctl-bench-serving-")))
         native = stack.enter_context(_native(model, slots, ctx_size, workdir))
         served = [stack.enter_context(_served(model, mode, slots, ctx_size, transport)) for mode in served_modes]
         if on_event:
