@@ -276,6 +276,9 @@ def test_serving_native_and_remoting_side_by_side(
         else:
             assert lv["ratio_to_native"] is None and lv["transport"].startswith("host"), lv
     assert left.returncode == 0 and not [s for s in json.loads(left.stdout) if "bench-serving" in s["name"]]
+    import tempfile
+
+    assert list(Path(tempfile.gettempdir()).glob("apirctl-bench-serving-*")) == [], "the run's folder is removed"
 
 
 def test_serving_modes_are_checked_before_anything_starts(tmp_path: Path) -> None:
