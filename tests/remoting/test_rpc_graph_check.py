@@ -196,6 +196,12 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
                                           s.at(2, F16, [4, 1 << 20, 1 << 16], 4096, nb=[2, 0, 0, 0]),
                                           s.at(3, F32, [16, 1 << 20, 1 << 16], 8192, op=OP_MUL_MAT, src=[1, 2],
                                                nb=[4, 0, 0, 0])]),
+        # a copy of no rows whose rows are 2^29 floats: no extent bounds them, and ggml-cpu's graph plan
+        # sizes the work buffer from them (2 GiB here; 64-bit records reach far past any memory)
+        "empty-cpy-of-huge-rows": ([2], [s.at(1, F32, [1 << 29, 0], 0, nb=[4, 1 << 31, 1 << 31, 1 << 31]),
+                                         s.at(2, Q8_0, [1 << 29, 0], 65536, op=OP_CPY, src=[1, 3],
+                                              nb=[34, 34 << 24, 34 << 24, 34 << 24]),
+                                         s.at(3, Q8_0, [1 << 29, 0], 65536, nb=[34, 34 << 24, 34 << 24, 34 << 24])]),
         # a node without a buffer: the kernel writes through a NULL data pointer
         "node-without-a-buffer": ([2], [f32, tensor(2, F32, [4096], op=OP_ADD, src=[1, 1])]),
         # found by the graph fuzzer (docs/reliability.md): the rotation cache reads ne0/2 = 4 frequency
@@ -304,7 +310,8 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "cpy-rows-unlike-the-destination", "rope-of-an-odd-row", "mul-mat-of-zero-strides",
                 "node-without-a-buffer", "rope-freq-factors-shorter-than-half-the-row",
                 "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
-                "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32"]
+                "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
+                "empty-cpy-of-huge-rows"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
