@@ -64,6 +64,10 @@ class Settings(BaseModel):
     cuda_architectures: str | None = Field(
         None, description="CUDA architectures of the host build, e.g. 90 (CMAKE_CUDA_ARCHITECTURES; default: CMake's)"
     )
+    native_cpu: bool = Field(
+        True, description="build llama.cpp for this host's CPU (GGML_NATIVE); false builds it for any x86-64 CPU with "
+        "AVX2, FMA and F16C: an image that runs on other machines, and in VMs on QEMU's emulation (no AVX-512)"
+    )
     machine_name: str | None = Field(None, description="podman machine name (macOS)")
     model_aliases: dict[str, str] = Field(default_factory=dict, description="extra model short names")
     resident: bool = Field(

@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -76,6 +77,7 @@ class BuildOptions(BaseModel):
             f"-DCMAKE_BUILD_TYPE={self.build_type}",
             "-DBUILD_SHARED_LIBS=ON",
             f"-DGGML_NATIVE={'ON' if self.native else 'OFF'}",
+            *self.portable_cpu_args(),
             f"-DGGML_RPC={'ON' if self.rpc else 'OFF'}",
             "-DLLAMA_OPENSSL=OFF",
             "-DLLAMA_BUILD_TESTS=OFF",
@@ -106,6 +108,14 @@ class BuildOptions(BaseModel):
             # ONLY: the host library alone; the DRM frontend needs libdrm and a download at build time.
             args += ["-DGGML_VIRTGPU=ON", "-DGGML_VIRTGPU_BACKEND=ONLY"]
         return args
+
+    def portable_cpu_args(self) -> list[str]:
+        """Without GGML_NATIVE, x86-64 gets AVX2, FMA and F16C by name: ggml's own defaults drop to SSE2
+        where SOURCE_DATE_EPOCH is set, and AVX-512 is what QEMU's emulation lacks (`native_cpu`)."""
+        if self.native or platform.machine().lower() not in ("x86_64", "amd64"):
+            return []
+        return [f"-DGGML_{name}=ON" for name in ("SSE42", "AVX", "AVX2", "BMI2", "FMA", "F16C")] + \
+            ["-DGGML_AVX512=OFF"]
 
     def executables(self) -> tuple[str, ...]:
         """The programs this build must have (a Vulkan build is for the image only: fewer targets)."""
@@ -181,7 +191,7 @@ def host_options(backend: Backend | None = None) -> BuildOptions:
     if chosen == "cuda":  # part of the cache key, so read on every lookup, not only by `apirctl setup`
         arch = config.settings().cuda_architectures
     return BuildOptions(backend=chosen, virtgpu_backend=True, virtgpu_frontend=_socket_frontend(),
-                        cuda_architectures=arch)
+                        native=config.settings().native_cpu, cuda_architectures=arch)
 
 
 def _socket_frontend() -> bool:
@@ -191,12 +201,13 @@ def _socket_frontend() -> bool:
 
 def container_options() -> BuildOptions:
     """The image needs no GPU backend and no host library: remoting brings the GPU (RPC, or APIR's frontend)."""
-    return BuildOptions(backend="cpu", virtgpu_backend=False, virtgpu_frontend=_socket_frontend())
+    return BuildOptions(backend="cpu", virtgpu_backend=False, virtgpu_frontend=_socket_frontend(),
+                        native=config.settings().native_cpu)
 
 
 def vulkan_options() -> BuildOptions:
     """The passthrough image's Vulkan build (`apirctl setup --vulkan`): no RPC, no host library."""
-    return BuildOptions(backend="vulkan", rpc=False, virtgpu_backend=False)
+    return BuildOptions(backend="vulkan", rpc=False, virtgpu_backend=False, native=config.settings().native_cpu)
 
 
 # --- the source -----------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from apirctl import config
 from apirctl.errors import ApirctlError
 from apirctl.vm import accel, boot, machines, rootfs
 
@@ -152,8 +153,10 @@ def test_an_instruction_set_that_qemus_emulation_lacks_is_named(tmp_path: Path) 
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(accel.kvm_problem() is None or accel.tcg_unemulated() is None,
-                    reason="this host runs VMs on KVM, or its CPU has nothing QEMU's emulation lacks")
+@pytest.mark.skipif(accel.kvm_problem() is None or accel.tcg_unemulated() is None
+                    or not config.settings().native_cpu,
+                    reason="this host runs VMs on KVM, its CPU has nothing QEMU's emulation lacks, or the "
+                           "builds are for any AVX2 CPU (native_cpu false)")
 def test_an_emulated_vm_that_could_not_run_the_image_is_one_line_and_leaves_nothing(
         demo_model: Path, llama_image: str, podman: str) -> None:
     """Here VMs run emulated and the host build uses AVX-512: the VM's llama-server would die of an
@@ -164,7 +167,8 @@ def test_an_emulated_vm_that_could_not_run_the_image_is_one_line_and_leaves_noth
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.strip().splitlines()
     assert lines[0].startswith("apirctl: error: a VM here runs on QEMU's emulation, which lacks AVX-512"), lines
-    assert lines[1].startswith("hint: serve in a container"), lines
+    assert lines[1].startswith("hint: serve in a container; or build for any AVX2 CPU: `apirctl config set "
+                               "native_cpu false`"), lines
     assert not machines.folder("vm-tcg-refused").exists()
     listed = subprocess.run([sys.executable, "-m", "apirctl", "ps", "-a", "--json"], capture_output=True, text=True,
                             timeout=60)
