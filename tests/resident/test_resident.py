@@ -115,7 +115,12 @@ def test_sigterm_reaches_the_command_and_it_cleans_up(running: dict[str, object]
 
     command = wait_for("the command in a fork of the resident process", command_process, 120, interval=0.05)
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
+    # stdin stays open until the client has exited: closed first (as communicate() does), the command
+    # reads the end of its prompt and may exit on its own before the signal reaches it
+    proc.wait(timeout=120)
+    assert proc.stdin is not None and proc.stderr is not None
+    err = proc.stderr.read()
+    proc.stdin.close()
     assert proc.returncode == 130, err  # as without the resident process: typer's status for an interrupt
     wait_for("the command's exit", lambda: not os.path.exists(f"/proc/{command}"), 120, interval=0.05)
 
