@@ -37,8 +37,10 @@ def _user_cache() -> Path | None:
 
 
 USER_CACHE = _user_cache()
-# Variables a developer may set to reuse things made elsewhere; all other APIRCTL_* are cleared.
-PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD", "APIRCTL_VULKAN_BUILD")
+# Variables a developer may set to reuse things made elsewhere, or to build for any AVX2 CPU (the VM tests
+# on emulation, on a host CPU with AVX-512: tests/vm/test_vm_serve.py); all other APIRCTL_* are cleared.
+PASSTHROUGH = ("APIRCTL_HOME", "APIRCTL_CACHE_DIR", "APIRCTL_TEST_CACHE", "APIRCTL_LLAMA_BUILD", "APIRCTL_VULKAN_BUILD",
+               "APIRCTL_NATIVE_CPU")
 
 # A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so would
 # every apirctl it starts: the Ctrl-C tests would then test nothing. A handled signal is reset to its
@@ -158,6 +160,46 @@ def llama_image(container_build) -> str:  # type: ignore[no-untyped-def]
 
     with shared_env(), native_builds.locked("llama-image"):
         return image.ensure(container_build)
+
+
+@contextlib.contextmanager
+def _native_cpu(value: str) -> Iterator[None]:
+    saved = os.environ.get("APIRCTL_NATIVE_CPU")
+    os.environ["APIRCTL_NATIVE_CPU"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("APIRCTL_NATIVE_CPU", None)
+        else:
+            os.environ["APIRCTL_NATIVE_CPU"] = saved
+
+
+@pytest.fixture(scope="session")
+def portable_build():  # type: ignore[no-untyped-def]
+    """A host build for any AVX2 CPU (`native_cpu` false): what a VM on QEMU's emulation can run where
+    the host's CPU has AVX-512. It differs from the host build in ggml-cpu's flags alone, so it is
+    mostly ccache's."""
+    from apirctl.build import llamacpp
+    from tests.support import native_builds
+
+    with _native_cpu("false"), shared_env(), native_builds.locked("llama-portable-build"):
+        options = llamacpp.host_options("cpu")
+        found = llamacpp.find(options)
+        if found is not None:
+            return found
+        with native_builds.timed(f"llama.cpp cpu host build for any AVX2 CPU ({options.key()})"):
+            return llamacpp.build(options)
+
+
+@pytest.fixture(scope="session")
+def portable_image(portable_build) -> str:  # type: ignore[no-untyped-def]
+    """The inference image of `portable_build`, under a tag of its own."""
+    from apirctl.build import image
+    from tests.support import native_builds
+
+    with _native_cpu("false"), shared_env(), native_builds.locked("llama-portable-image"):
+        return image.ensure(portable_build)
 
 
 @pytest.fixture(scope="session")

@@ -82,7 +82,10 @@ def recipe() -> str:
 
 
 def tag_for(build: Build) -> str:
-    return f"{IMAGE_REPO}:{build.source_version}-{build.backend}-{recipe()}"
+    """The image's tag; a build for any AVX2 CPU (`native_cpu` false) has its own, so that both images
+    can be kept and neither replaces the other under a server that runs it."""
+    portable = "-portable" if build.options is not None and not build.options.native else ""
+    return f"{IMAGE_REPO}:{build.source_version}-{build.backend}{portable}-{recipe()}"
 
 
 def compile_health_check(dest: Path, extra_flags: tuple[str, ...] = (), source_name: str = HEALTH_SOURCE) -> Path:

@@ -14,6 +14,7 @@ without a GPU backend one CPU build serves both.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -342,8 +343,14 @@ def external_build(path: Path, variable: str = "APIRCTL_LLAMA_BUILD") -> Build:
     names = {p.name for p in bin_dir.iterdir()}
     found = [b for b in ("cuda", "metal", "vulkan") if f"libggml-{b}{LIB_SUFFIX}" in names]
     backend: Backend = found[0] if found else "cpu"  # type: ignore[assignment]
+    # one of apirctl's own cache entries says what it was built with (a build for any AVX2 CPU gets its
+    # own image tag, and a VM on emulation is refused a build for this CPU)
+    options = None
+    if bin_dir == path / "cmake" / "bin" and (path / _MANIFEST).is_file():
+        with contextlib.suppress(ValueError, OSError):
+            options = Build.model_validate_json((path / _MANIFEST).read_text()).options
     return Build(root=path, bin_dir=bin_dir, backend=backend, source_version=f"b{LLAMA_BUILD_NUMBER}",
-                 external=True)
+                 options=options, external=True)
 
 
 def vulkan_build() -> Build | None:

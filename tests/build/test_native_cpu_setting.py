@@ -8,6 +8,7 @@ their cache keys, because every later lookup must find the build that `apirctl s
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +40,23 @@ def test_a_portable_x86_build_names_avx2_and_leaves_out_avx512() -> None:
     args = llamacpp.BuildOptions(backend="cpu", native=False).cmake_args()
     assert {"-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX512=OFF"} <= set(args)
     assert "-DGGML_AVX512=ON" not in args
+
+
+def test_each_build_has_its_own_image_tag_also_when_named_by_path(tmp_path: Path) -> None:
+    """A build for any AVX2 CPU tags its image apart; APIRCTL_LLAMA_BUILD naming one of apirctl's cache
+    entries keeps what it was built with, so its image is not taken for the native build's."""
+    from apirctl.build import image
+
+    tags = {}
+    for native in (True, False):
+        options = llamacpp.BuildOptions(backend="cpu", native=native)
+        root = tmp_path / options.key()
+        (root / "cmake" / "bin").mkdir(parents=True)
+        (root / "cmake" / "bin" / "llama-server").write_text("")
+        build = llamacpp.Build(root=root, bin_dir=root / "cmake" / "bin", backend="cpu", source_version="b1",
+                               options=options)
+        (root / "build.json").write_text(build.model_dump_json())
+        named = llamacpp.external_build(root)
+        assert named.external and named.options == options
+        tags[native] = image.tag_for(named)
+    assert tags[False] != tags[True] and "-portable-" in tags[False] and "-portable" not in tags[True]
