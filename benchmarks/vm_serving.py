@@ -1,0 +1,69 @@
+"""The seeds' Lima-style comparison on this machine: one model served natively, in a micro-VM on the VM's
+own CPU (`vm-cpu`), and in a micro-VM computing through remoting on the host (`vm-remoting`).
+
+It runs `apirctl bench MODEL --serving --modes ...` (apirctl/bench/serving.py: the rows alternated,
+each remoting or VM row against the native rows around it) and writes its JSON, with what the figures
+depend on (the CPU, the accelerator a VM got and why, the patch digest, the build's CPU target), to a
+file under benchmarks/results/.
+
+    python benchmarks/vm_serving.py MODEL [--modes native,vm-cpu,vm-remoting] [--rounds 1]
+        [--concurrency 1] [--requests 4] [--max-tokens 32] [--out FILE]
+
+On a host whose KVM cannot boot ordinary guests the VMs run on QEMU's emulation; where the host's CPU
+has AVX-512, set `native_cpu` false first (docs/vm.md) so that the VM's image can run there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--modes", default="native,vm-cpu,vm-remoting")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--concurrency", default="1")
+    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    opts = parser.parse_args()
+
+    from apirctl import config
+    from apirctl.build import llamacpp
+    from apirctl.vm import accel
+
+    command = [sys.executable, "-m", "apirctl", "bench", opts.model, "--serving", "--modes", opts.modes,
+               "--rounds", str(opts.rounds), "--concurrency", opts.concurrency, "--requests", str(opts.requests),
+               "--max-tokens", str(opts.max_tokens), "--json", "--no-save"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"bench failed: {done.stderr.strip()}")
+    chosen = accel.choose(config.settings().vm_accel)
+    stamp = datetime.now(tz=timezone.utc)
+    result = {"benchmark": "vm_serving", "date": stamp.isoformat(timespec="seconds"), "host": platform.node(),
+              "cpus": os.cpu_count(), "cpu": cpu_model(), "model": Path(opts.model).name, "modes": opts.modes,
+              "vm_accel": {"name": chosen.name, "why": chosen.why}, "kvm_problem": accel.kvm_problem(),
+              "native_cpu": config.settings().native_cpu, "patch_digest": llamacpp.patches_digest(),
+              "command": command[1:], "bench": json.loads(done.stdout)}
+    out = opts.out or Path(__file__).parent / "results" / f"vm_serving-cpu-{stamp:%Y-%m-%d}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
