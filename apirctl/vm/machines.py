@@ -179,9 +179,11 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
 
 
 def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv: list[str], env: dict[str, str],
-           guest_port: int, host_ip: str) -> VmRecord:
+           guest_port: int, host_ip: str, model_file: str | None = None) -> VmRecord:
     """Start QEMU for `record` (its folder made here); returns the record with QEMU's pid. QEMU's own
-    refusal (no /dev/kvm access, a taken port) is one line; the folder is removed then."""
+    refusal (no /dev/kvm access, a taken port) is one line; the folder is removed then. The guest sees
+    the model as /models/`model_file` (default: the file's own name), the name llama-server's
+    arguments give it: a model from the store is a blob whose name is its digest."""
     base = private_dir(root())
     where = base / record.name
     try:
@@ -190,7 +192,7 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
         raise ApirctlError(f"a VM named {record.name} exists already",
                            hint=f"stop it with `apirctl stop {record.name}` or pick another --name") from exc
     try:
-        record.command = qemu_command(record, boot, rootfs, model, kernel_command_line(model.name, argv, env),
+        record.command = qemu_command(record, boot, rootfs, model, kernel_command_line(model_file or model.name, argv, env),
                                       guest_port, host_ip)
         _write(record)
         try:

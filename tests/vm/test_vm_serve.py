@@ -26,6 +26,7 @@ import pytest
 from apirctl import config
 from apirctl.remoting import backends
 from apirctl.vm import accel, machines
+from tests.support.model_sources import ollama_store
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
@@ -45,7 +46,7 @@ def cli(*args: str, timeout: float = LIMIT) -> subprocess.CompletedProcess[str]:
                           env=env)
 
 
-def serve_vm(model: Path, name: str, *extra: str) -> dict[str, object]:
+def serve_vm(model: Path | str, name: str, *extra: str) -> dict[str, object]:
     done = cli("serve", str(model), "--isolation", "vm", "--name", name, "--port", str(free_port()),
                "--ctx-size", "512", "--json", "--timeout", str(LIMIT), *extra)
     assert done.returncode == 0, done.stderr
@@ -67,12 +68,16 @@ def ps(*flags: str) -> list[dict[str, object]]:
 
 
 def test_a_vm_serves_like_a_container_is_listed_logged_stopped_and_leaves_nothing(
-        podman: str, vm_image: str, demo_model: Path) -> None:
+        podman: str, vm_image: str, demo_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tag = uuid.uuid4().hex[:6]
     first, second, box = f"vm-a-{tag}", f"vm-b-{tag}", f"ct-{tag}"
+    # the second VM's model by name from a store, whose file is a blob named by its digest: the guest
+    # must see it under the name llama-server is given (`sha256-....gguf`), not the blob's
+    ollama_store(tmp_path / "ollama", "registry.ollama.ai", "library", "tiny-text", "1b", {"model": demo_model})
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
     try:
         a = serve_vm(demo_model, first, "--transport", "none", "--memory", "1g", "--cpus", "1")
-        b = serve_vm(demo_model, second, "--transport", "none")
+        b = serve_vm("tiny-text:1b", second, "--transport", "none")
         assert a["isolation"] == b["isolation"] == "vm" and a["health"] == "ok"
         record = machines._read(first)
         assert record is not None and record.memory_mb == 1024 and record.cpus == 1
