@@ -87,12 +87,15 @@ def main() -> None:
             row["round"] = number
             rows.append(row)
             print(json.dumps(row), flush=True)
+    from apirctl import config
+    from apirctl.build import llamacpp
     from apirctl.vm import accel
 
     stamp = datetime.now(tz=timezone.utc)
     result = {"benchmark": "vm_boot", "date": stamp.isoformat(timespec="seconds"), "host": platform.node(),
               "cpus": os.cpu_count(), "model": Path(opts.model).name, "image": opts.image,
-              "kvm_problem": accel.kvm_problem(), "rows": rows}
+              "kvm_problem": accel.kvm_problem(), "native_cpu": config.settings().native_cpu,
+              "patch_digest": llamacpp.patches_digest(), "rows": rows}
     out = opts.out or Path(__file__).parent / "results" / f"vm_boot-cpu-{stamp:%Y-%m-%d}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
