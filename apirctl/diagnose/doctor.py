@@ -170,6 +170,10 @@ def _micro_vms() -> Check:
     if problem is not None:
         fix = vm.accel.HINT if "readable" in problem or "absent" in problem else \
             "VMs run emulated here (slow); use a host whose KVM has hardware virtualization"
+        if (lacks := vm.tcg_unemulated()) is not None and config.settings().native_cpu:
+            # a build for this CPU dies in an emulated VM: say so before the first VM does
+            fix += (f"; emulation lacks this CPU's {lacks}: `apirctl config set native_cpu false`, then "
+                    "`apirctl setup`")
         return Check(name="micro-VMs", status=bad, detail=problem, fix=fix)
     return Check(name="micro-VMs", status="ok", detail="/dev/kvm runs guests; QEMU found")
 

@@ -192,8 +192,8 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
         raise ApirctlError(f"a VM named {record.name} exists already",
                            hint=f"stop it with `apirctl stop {record.name}` or pick another --name") from exc
     try:
-        record.command = qemu_command(record, boot, rootfs, model, kernel_command_line(model_file or model.name, argv, env),
-                                      guest_port, host_ip)
+        cmdline = kernel_command_line(model_file or model.name, argv, env)
+        record.command = qemu_command(record, boot, rootfs, model, cmdline, guest_port, host_ip)
         _write(record)
         try:
             done = subprocess.run(record.command, capture_output=True, text=True, check=False, timeout=60)

@@ -117,6 +117,9 @@ def test_doctor_says_whether_micro_vms_can_use_kvm() -> None:
         assert line.startswith("✔")
     else:
         assert problem in line and "Traceback" not in done.stderr
+        # where the VMs run emulated on a CPU with what emulation lacks, the fix names the setting
+        assert ("native_cpu false" in done.stdout) == (accel.tcg_unemulated() is not None
+                                                       and config.settings().native_cpu), done.stdout
 
 
 def test_a_vm_whose_qemu_is_gone_is_listed_exited_logged_refused_a_restart_and_removed_by_stop(
