@@ -233,11 +233,28 @@ def _wait_gone(pid: int, timeout: float) -> bool:
 
 
 def _watch(relay: Relay) -> None:
-    """The backend's death ends the VM even while no session is open (the guest idle, or not yet up)."""
-    while not relay.done.is_set():
-        if _wait_gone(relay.instance.pid, 1.0):
-            relay.backend_gone(down(relay.instance))
-            return
+    """The backend's death ends the VM even while no session is open (the guest idle, or not yet up).
+    One pidfd, polled in slices of a second so that the relay's own end is seen too; without pidfds,
+    `_wait_gone` polls the process."""
+    pid = relay.instance.pid
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        pidfd = -1
+    try:
+        poller = select.poll()
+        if pidfd >= 0:
+            poller.register(pidfd, select.POLLIN)
+        while not relay.done.is_set():
+            # a recycled pid (ours ended before the open) is not our backend: gone as well
+            gone = not backends.is_backend_process(pid) or (
+                bool(poller.poll(1000)) if pidfd >= 0 else _wait_gone(pid, 1.0))
+            if gone:
+                relay.backend_gone(down(relay.instance))
+                return
+    finally:
+        if pidfd >= 0:
+            os.close(pidfd)
 
 
 def serve_vm(guest: socket.socket, instance: backends.Instance, vm: str) -> str:
