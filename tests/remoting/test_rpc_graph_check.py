@@ -440,3 +440,29 @@ def test_a_node_of_an_unknown_op_is_refused_and_named_safely(server, name: str) 
              lambda: "graph node 0 (unknown op, f32) is not supported" in log.read_text(errors="replace"), 10)
     assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
     add_computes(path)
+
+
+#: dimensions of 32 bits each whose product passes int64_t: ggml_new_tensor asserts on it
+HUGE_SHAPES = {"two-dimensions-of-2^32-1": [0xFFFFFFFF, 0xFFFFFFFF],
+               "four-of-2^16": [1 << 16, 1 << 16, 1 << 16, 1 << 16],
+               "three-of-2^21-and-one-of-4": [1 << 21, 1 << 21, 1 << 21, 4]}
+
+
+@pytest.mark.parametrize("name", sorted(HUGE_SHAPES))
+def test_a_tensor_of_more_elements_than_int64_holds_is_refused_not_asserted(server, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Found by the graph fuzzer's campaign (2026-11-29): a node whose element count passes int64_t
+    reached ggml_new_tensor's GGML_ASSERT from deserialize_tensor, ending the server. Now the tensor is
+    refused where it is read, as any malformed tensor: the connection closes, the server serves on."""
+    proc, path, log = server
+    s = Session(path)
+    try:
+        node = tensor(2, F32, HUGE_SHAPES[name], buffer=s.remote, data=s.base, op=OP_RMS_NORM, src=[1],
+                      nb=[4, 4, 4, 4])
+        s.compute([2], [s.at(1, F32, [32], 0), node])
+        assert s.closed_by_server()
+    finally:
+        s.close()
+    wait_for("the refusal in the server's log",
+             lambda: "[deserialize_tensor] tensor of" in log.read_text(errors="replace"), 10)
+    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
+    add_computes(path)
