@@ -17,7 +17,7 @@ import socket
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -424,20 +424,29 @@ def test_a_node_of_an_unknown_op_is_refused_and_named_safely(server, name: str) 
     """Refused (the rules' `op_is_known`), named "unknown op" in the refusal's log line
     (`ggml_node_op_desc`), answered "unsupported" to SUPPORTS_OP, and the server serves on: under the
     sanitizers, no read past a name table and no load of an invalid enum on the way."""
-    proc, path, log = server
     op, param = UNKNOWN_OPS[name]
-    s = Session(path)
-    try:
+
+    def send(s: Session) -> None:
         node = s.at(2, F32, [32], 4096, op=op, src=[1], params=[param])
         bare = tensor(2, F32, [32], op=op, src=[1], params=[param])
         assert request(s.sock, SUPPORTS_OP, struct.pack("<I", 0) + bare + tensor(1, F32, [32]) +
                        bytes(TENSOR.size * 9))[0] == 0
         s.compute([2], [s.at(1, F32, [32], 0), node])
+
+    refused_and_served_on(server, send, "graph node 0 (unknown op, f32) is not supported")
+
+
+def refused_and_served_on(server, send: Callable[[Session], None], said: str) -> None:  # type: ignore[no-untyped-def]
+    """What `send` sends on a new connection is refused: the server closes it and logs `said`, lives on,
+    and computes for the next client."""
+    proc, path, log = server
+    s = Session(path)
+    try:
+        send(s)
         assert s.closed_by_server()
     finally:
         s.close()
-    wait_for("the refusal in the server's log",
-             lambda: "graph node 0 (unknown op, f32) is not supported" in log.read_text(errors="replace"), 10)
+    wait_for("the refusal in the server's log", lambda: said in log.read_text(errors="replace"), 10)
     assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
     add_computes(path)
 
@@ -453,16 +462,9 @@ def test_a_tensor_of_more_elements_than_int64_holds_is_refused_not_asserted(serv
     """Found by the graph fuzzer's campaign (2026-11-29): a node whose element count passes int64_t
     reached ggml_new_tensor's GGML_ASSERT from deserialize_tensor, ending the server. Now the tensor is
     refused where it is read, as any malformed tensor: the connection closes, the server serves on."""
-    proc, path, log = server
-    s = Session(path)
-    try:
+    def send(s: Session) -> None:
         node = tensor(2, F32, HUGE_SHAPES[name], buffer=s.remote, data=s.base, op=OP_RMS_NORM, src=[1],
                       nb=[4, 4, 4, 4])
         s.compute([2], [s.at(1, F32, [32], 0), node])
-        assert s.closed_by_server()
-    finally:
-        s.close()
-    wait_for("the refusal in the server's log",
-             lambda: "[deserialize_tensor] tensor of" in log.read_text(errors="replace"), 10)
-    assert proc.poll() is None, log.read_text(errors="replace")[-2000:]
-    add_computes(path)
+
+    refused_and_served_on(server, send, "[deserialize_tensor] tensor of")
