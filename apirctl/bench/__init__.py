@@ -1,4 +1,5 @@
-"""Benchmarks: llama-bench in each mode (native, remoting, container, apir) and serving load.
+"""Benchmarks: llama-bench in each mode (native, remoting, container, apir, vm-cpu, vm-remoting) and
+serving load.
 
 `apirctl.bench.modes` runs llama-bench and builds the comparison rows, `llamabench`
 knows llama-bench's command line and JSON output, `results` saves and reads the
@@ -9,4 +10,4 @@ only parses flags and prints.
 
 from __future__ import annotations
 
-MODES = ("native", "remoting", "container", "apir")
+MODES = ("native", "remoting", "container", "apir", "vm-cpu", "vm-remoting")

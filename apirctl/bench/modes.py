@@ -21,6 +21,10 @@ and reads its output, so both commands share one definition of each mode.
   in a container with no network (the virtgpu transport's wiring), or with the host client the
   host build's own llama-bench with `GGML_VIRTGPU_SOCKET` and its local GPUs hidden. On macOS the
   remoting mode is APIR already.
+- vm-cpu, vm-remoting (Linux): llama-bench in a micro-VM of its own booted from the inference image
+  (`apirctl.vm`, on KVM where it runs guests, else emulated): on the VM's own CPU, or through a
+  backend of its own on the host, reached by the VM's one way out (its relay). The seeds' Lima
+  comparison: a VM without a GPU, on its CPU and through remoting, against native.
 
 A mode that cannot run here (no build, no image, no remoting backend) becomes rows
 with a `skipped_reason` and the others still run; a llama-bench that runs and fails is
@@ -30,13 +34,15 @@ a failure that the caller reports after showing what did run.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Generic, Protocol, TypeVar
 
-from apirctl import config, gpu, host, models
+from apirctl import config, gpu, host, models, vm
 from apirctl.bench import MODES, system
 from apirctl.bench.llamabench import LlamaBench, Params, ProgressFn, Result
 from apirctl.bench.results import Row, Run, SystemInfo, new_id, now_iso
@@ -387,11 +393,78 @@ def run_apir(ctx: Context[R]) -> ModeOutcome[R]:
                        transport="virtgpu-socket")
 
 
+#: How long a VM mode's program may run (an emulated VM computes at a few tokens a second), and its
+#: VM's memory (MiB; `serve --isolation vm`'s default).
+VM_TIMEOUT = 3600.0
+VM_MEMORY_MB = 2048
+
+
+def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
+    """The program in a micro-VM of its own (`apirctl.vm`, as `serve --isolation vm` boots one), from the
+    inference image, the model its second disk: on the VM's own CPU (vm-cpu), or with its graphs
+    computed by a backend of its own on the host (vm-remoting, rpc through the VM's relay). The VM
+    publishes nothing; the program's end powers it off, and its console holds the results."""
+    if host.is_macos():
+        raise Skipped("the VM modes run on Linux (on macOS the containers run in a VM already)")
+    try:
+        accel = vm.choose(config.settings().vm_accel)
+        tag = _image(ctx)
+        build = llamacpp.container_build()
+        native = build is not None and build.options is not None and build.options.native
+        if problem := vm.build_problem(accel, native):
+            raise Skipped(f"{problem} ({vm.BUILD_HINT})")
+        boot = vm.ensure_boot_files()
+        rootfs = vm.ensure_rootfs(tag)
+    except ApirctlError as exc:
+        raise Skipped(exc.message + (f" ({exc.hint})" if exc.hint else "")) from None
+    ctx.facts["vm_note"] = f"{accel.name}" + ("" if accel.name == "kvm" else f": {accel.why}")
+    program = ctx.program
+    folder = str(PurePosixPath(rootfs.entrypoint[0]).parent) if rootfs.entrypoint else ""
+    executable = f"{folder}/{program.executable}" if folder.startswith("/") else program.executable
+    filename = ctx.filename or ctx.model_path.name
+    extra = ["--rpc", vm.GUEST_RPC_ENDPOINT] if remoting else []
+    argv = [executable, *program.arguments(f"/models/{filename}", mode, True, extra=extra)]
+    name = f"bench-{new_id()}"
+    instance = rpc_server.start_own_backend(name) if remoting else None
+    record = vm.VmRecord(name=name, id=secrets.token_hex(32), labels={"apirctl.role": "bench",
+                         "apirctl.bench.mode": mode}, image=tag, port=0, created=time.time(), accel=accel.name,
+                         memory_mb=VM_MEMORY_MB, cpus=os.cpu_count() or 1, rpc_instance=instance.id if instance else "")
+    try:
+        record = vm.launch(record, boot, rootfs, ctx.model_path, argv, rootfs.env, 0, "", model_file=filename)
+        if instance is not None:  # the relay owns it now, and stops it with the VM
+            backends.hand_over(instance, record.relay_pid)
+            instance = None
+        reader = program.reader(ctx.progress(mode))
+        console = vm.follow_to_end(record, VM_TIMEOUT, on_line=reader.feed)
+        why = vm.ended(record.name)
+    finally:
+        vm.remove(record.name)
+        if instance is not None:
+            backends.stop(instance)
+    results = program.parse_output(console)
+    if not results:  # (a relay notes why it ended the VM also when QEMU was already on its way out)
+        raise ApirctlError(f"{program.executable} in the VM gave no results{' (ended: ' + why + ')' if why else ''}: "
+                           f"{reader.tail_text() or 'no output'}")
+    transport = "rpc-vm-relay" if remoting else None
+    return ModeOutcome(mode, results, backend=_backend_label(results, "rpc" if remoting else "cpu"), client="vm",
+                       transport=transport)
+
+
+def run_vm_cpu(ctx: Context[R]) -> ModeOutcome[R]:
+    return run_in_vm(ctx, "vm-cpu", remoting=False)
+
+
+def run_vm_remoting(ctx: Context[R]) -> ModeOutcome[R]:
+    return run_in_vm(ctx, "vm-remoting", remoting=True)
+
+
 RUNNERS: dict[str, Callable[[Context[Any]], ModeOutcome[Any]]] = {
     "native": run_native,
     "remoting": run_remoting,
     "container": run_container,
     "apir": run_apir,
+    "vm-cpu": run_vm_cpu,
+    "vm-remoting": run_vm_remoting,
 }
 
 
@@ -478,6 +551,8 @@ def system_info(ctx: Context[Any], raw: dict[str, Any] | None = None) -> SystemI
         info.extra["container"] = ctx.facts["container_note"]
     if ctx.facts.get("remoting_note"):
         info.extra["remoting"] = ctx.facts["remoting_note"]
+    if ctx.facts.get("vm_note"):
+        info.extra["vm"] = ctx.facts["vm_note"]
     return info
 
 

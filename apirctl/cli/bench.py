@@ -17,7 +17,9 @@ HELP = (
     "transport (rpc on Linux, virtgpu on macOS); start it with `apirctl machine restart --remoting`;\n"
     "- container: llama-bench in the container without remoting (CPU);\n"
     "- apir (Linux, not run unless named): the ggml-virtgpu frontend (APIR) against an apir-host of its own on a "
-    "private socket, in a container without network (or, with --client host, the host's llama-bench).\n\n"
+    "private socket, in a container without network (or, with --client host, the host's llama-bench);\n"
+    "- vm-cpu, vm-remoting (Linux, not run unless named): llama-bench in a micro-VM booted from the image, "
+    "on the VM's own CPU, and with its graphs computed on the host through a backend of its own.\n\n"
     "A mode that cannot run here is shown as skipped with the reason. Results are saved: see "
     "`apirctl bench history` and `apirctl bench compare ID ID`.\n\n"
     "apirctl bench --url URL (or `--serving` for the running apirctl server) drives an "
@@ -28,6 +30,7 @@ HELP = (
     "Examples:\n\n"
     "`apirctl bench smollm2 --modes native,container --reps 2`\n\n"
     "`apirctl bench smollm2 --modes native,remoting,apir`\n\n"
+    "`apirctl bench smollm2 --modes native,vm-cpu,vm-remoting --reps 1`\n\n"
     "`apirctl bench smollm2 --format json --plot bench.png`\n\n"
     "`apirctl bench --url http://127.0.0.1:1234 --concurrency 1,4,8 --requests 16`\n\n"
     "`apirctl bench smollm2 --serving --transport rpc --concurrency 1,8 --rounds 2`"
@@ -60,7 +63,8 @@ def bench(
     ctx: typer.Context,
     model: str = typer.Argument(None, help="Model: alias (smollm2), GGUF path, hf://, ollama://, https://."),
     modes: str = typer.Option("native,remoting,container", "--modes",
-                              help="Comma-separated modes to run, in order: native, remoting, container, apir. "
+                              help="Comma-separated modes to run, in order: native, remoting, container, apir, "
+                                   "vm-cpu, vm-remoting (a micro-VM on its own CPU, and through remoting). "
                                    "With MODEL --serving: native and any of remoting, container, vm-cpu, "
                                    "vm-remoting [default there: native,remoting]."),
     pp: int = typer.Option(512, "--pp", help="Prompt tokens for the prompt-processing test (0: skip it)."),

@@ -178,11 +178,9 @@ def _start_vm(ready: Provisioned) -> Server:
     accel = vm.choose(config.settings().vm_accel)
     # the image apirctl builds carries the host build; an image of the user's own is theirs to match
     build = None if accel.name == "kvm" or opts.image else llamacpp.container_build()
-    if build is not None and build.options is not None and build.options.native and (lacks := vm.tcg_unemulated()):
-        raise ApirctlError(f"a VM here runs on QEMU's emulation, which lacks {lacks}, and the image's llama.cpp is "
-                           "built for this CPU, which has it",
-                           hint="serve in a container; or build for any AVX2 CPU: `apirctl config set native_cpu "
-                                f"false`, then `apirctl setup` (emulated because {accel.why})")
+    native = build is not None and build.options is not None and build.options.native
+    if problem := vm.build_problem(accel, native):
+        raise ApirctlError(problem, hint=f"serve in a container; or {vm.BUILD_HINT} (emulated because {accel.why})")
     ready.notices.append(f"VM on {accel.name}" + ("" if accel.name == "kvm" else f": {accel.why}"))
     clock.phase("vm image")
     boot = vm.ensure_boot_files()

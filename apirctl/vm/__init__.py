@@ -10,7 +10,7 @@ and its backend end together).
 
 from __future__ import annotations
 
-from apirctl.vm.accel import Accel, choose, kvm_problem, tcg_unemulated
+from apirctl.vm.accel import BUILD_HINT, Accel, build_problem, choose, kvm_problem, tcg_unemulated
 from apirctl.vm.boot import BootFiles, ensure_boot_files
 from apirctl.vm.machines import (
     GUEST_RPC_ENDPOINT,
@@ -18,6 +18,7 @@ from apirctl.vm.machines import (
     alive,
     ended,
     exists,
+    follow_to_end,
     launch,
     logs,
     records,
@@ -29,6 +30,6 @@ from apirctl.vm.machines import (
 )
 from apirctl.vm.rootfs import RootFs, ensure_rootfs
 
-__all__ = ["GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "RootFs", "VmRecord", "choose", "ensure_boot_files",
-           "ended", "ensure_rootfs", "exists", "kvm_problem", "launch", "alive", "relay_alive", "server_of",
-           "server_tail", "logs", "records", "remove", "servers", "tcg_unemulated"]
+__all__ = ["BUILD_HINT", "GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "RootFs", "VmRecord", "alive", "build_problem",
+           "choose", "ended", "ensure_boot_files", "ensure_rootfs", "exists", "follow_to_end", "kvm_problem", "launch",
+           "logs", "records", "relay_alive", "remove", "server_of", "server_tail", "servers", "tcg_unemulated"]

@@ -65,3 +65,16 @@ def tcg_unemulated(cpuinfo: Path = CPUINFO) -> str | None:
         return None
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return "AVX-512" if "avx512f" in flags else None
+
+
+def build_problem(accel: Accel, native_build: bool) -> str | None:
+    """Why an image whose llama.cpp was built for this CPU (`native_build`) cannot compute in a VM on
+    `accel`, or None: emulation lacks an instruction set the build uses."""
+    if accel.name == "kvm" or not native_build or not (lacks := tcg_unemulated()):
+        return None
+    return (f"a VM here runs on QEMU's emulation, which lacks {lacks}, and the image's llama.cpp is built for this "
+            "CPU, which has it")
+
+
+#: What `build_problem`'s user can do about it.
+BUILD_HINT = "build for any AVX2 CPU: `apirctl config set native_cpu false`, then `apirctl setup`"

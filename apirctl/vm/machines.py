@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -159,7 +159,9 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
     where = folder(record.name)
     machine = ["-M", "q35", "-accel", "kvm", "-cpu", "host,-arch-capabilities"] if record.accel == "kvm" else \
         ["-M", "q35", "-accel", "tcg,thread=multi", "-cpu", "max"]
-    netdev = f"user,id=net0,restrict=on,hostfwd=tcp:{host_ip}:{record.port}-:{guest_port}"
+    netdev = "user,id=net0,restrict=on"
+    if record.port:  # a one-shot program's VM (a benchmark) publishes nothing
+        netdev += f",hostfwd=tcp:{host_ip}:{record.port}-:{guest_port}"
     rpc: list[str] = []
     if record.rpc_instance:  # the one way out of the VM: its backend, through QEMU's chardev socket
         netdev += f",guestfwd=tcp:{GUEST_RPC_ENDPOINT}-chardev:rpc"
@@ -267,6 +269,36 @@ def logs(name: str, tail_lines: int | None = None, follow: bool = False) -> Iter
                 yield from (rest.rstrip("\n") for rest in stream.readlines())
                 return
             time.sleep(0.1)
+
+
+def follow_to_end(record: VmRecord, timeout: float, on_line: Callable[[str], None] | None = None) -> str:
+    """A one-shot VM's console until its program ends (QEMU exits with it), each line given to `on_line`
+    as it comes; a VM still running after `timeout` seconds is an error (the caller removes it)."""
+    path = console_path(record.name)
+    deadline = time.monotonic() + timeout
+    lines: list[str] = []
+    partial = ""
+    with contextlib.ExitStack() as stack:
+        stream = None
+        while True:
+            running = alive(record)
+            if stream is None and path.exists():
+                stream = stack.enter_context(path.open(errors="replace"))
+            chunk = stream.read() if stream is not None else ""
+            *complete, partial = (partial + chunk).split("\n")
+            for line in (raw.rstrip("\r") for raw in complete):  # a serial console ends lines with CR LF
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+            if not running:
+                break
+            if time.monotonic() > deadline:
+                raise ApirctlError(f"the VM's program did not end within {timeout:g} s",
+                                   hint="fewer or shorter runs end sooner; an emulated VM is slow")
+            time.sleep(0.1)
+    if partial:
+        lines.append(partial)
+    return "\n".join(lines)
 
 
 _KERNEL_LINE = re.compile(r"^\[\s*\d+\.\d+\]")
