@@ -2,12 +2,15 @@
 own CPU (`vm-cpu`), and in a micro-VM computing through remoting on the host (`vm-remoting`).
 
 It runs `apirctl bench MODEL --serving --modes ...` (apirctl/bench/serving.py: the rows alternated,
-each remoting or VM row against the native rows around it) and writes its JSON, with what the figures
+each remoting or VM row against the native rows around it), or with `--llama-bench` llama-bench's
+pp and tg in each mode (`apirctl bench MODEL --modes ...`, apirctl/bench/modes.py; each mode's row
+against the native row of the same run), and writes its JSON, with what the figures
 depend on (the CPU, the accelerator a VM got and why, the patch digest, the build's CPU target), to a
 file under benchmarks/results/.
 
     python benchmarks/vm_serving.py MODEL [--modes native,vm-cpu,vm-remoting] [--rounds 1]
         [--concurrency 1] [--requests 4] [--max-tokens 32] [--out FILE]
+    python benchmarks/vm_serving.py MODEL --llama-bench [--pp 64] [--tg 16] [--reps 2] [--out FILE]
 
 On a host whose KVM cannot boot ordinary guests the VMs run on QEMU's emulation; where the host's CPU
 has AVX-512, set `native_cpu` false first (docs/vm.md) so that the VM's image can run there.
@@ -40,6 +43,10 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--llama-bench", action="store_true", help="llama-bench's pp and tg, not serving")
+    parser.add_argument("--pp", type=int, default=64)
+    parser.add_argument("--tg", type=int, default=16)
+    parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--out", type=Path)
     opts = parser.parse_args()
 
@@ -47,20 +54,25 @@ def main() -> None:
     from apirctl.build import llamacpp
     from apirctl.vm import accel
 
-    command = [sys.executable, "-m", "apirctl", "bench", opts.model, "--serving", "--modes", opts.modes,
-               "--rounds", str(opts.rounds), "--concurrency", opts.concurrency, "--requests", str(opts.requests),
-               "--max-tokens", str(opts.max_tokens), "--json", "--no-save"]
+    if opts.llama_bench:
+        command = [sys.executable, "-m", "apirctl", "bench", opts.model, "--modes", opts.modes, "--pp", str(opts.pp),
+                   "--tg", str(opts.tg), "--reps", str(opts.reps), "--json", "--no-save"]
+    else:
+        command = [sys.executable, "-m", "apirctl", "bench", opts.model, "--serving", "--modes", opts.modes,
+                   "--rounds", str(opts.rounds), "--concurrency", opts.concurrency, "--requests", str(opts.requests),
+                   "--max-tokens", str(opts.max_tokens), "--json", "--no-save"]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"bench failed: {done.stderr.strip()}")
     chosen = accel.choose(config.settings().vm_accel)
     stamp = datetime.now(tz=timezone.utc)
-    result = {"benchmark": "vm_serving", "date": stamp.isoformat(timespec="seconds"), "host": platform.node(),
+    kind = "vm_bench" if opts.llama_bench else "vm_serving"
+    result = {"benchmark": kind, "date": stamp.isoformat(timespec="seconds"), "host": platform.node(),
               "cpus": os.cpu_count(), "cpu": cpu_model(), "model": Path(opts.model).name, "modes": opts.modes,
               "vm_accel": {"name": chosen.name, "why": chosen.why}, "kvm_problem": accel.kvm_problem(),
               "native_cpu": config.settings().native_cpu, "patch_digest": llamacpp.patches_digest(),
               "command": command[1:], "bench": json.loads(done.stdout)}
-    out = opts.out or Path(__file__).parent / "results" / f"vm_serving-cpu-{stamp:%Y-%m-%d}.json"
+    out = opts.out or Path(__file__).parent / "results" / f"{kind}-cpu-{stamp:%Y-%m-%d}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

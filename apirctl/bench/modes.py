@@ -406,6 +406,8 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     publishes nothing; the program's end powers it off, and its console holds the results."""
     if host.is_macos():
         raise Skipped("the VM modes run on Linux (on macOS the containers run in a VM already)")
+    if ctx.program.mounts():
+        raise Skipped(f"a VM gets the model as its only file, and {ctx.program.executable} needs more")
     try:
         accel = vm.choose(config.settings().vm_accel)
         tag = _image(ctx)

@@ -273,3 +273,20 @@ def test_the_idle_virtgpu_frontend_is_not_a_modes_backend() -> None:
     assert modes._backend_label(ran("ggml-virtgpu"), "cpu") == "cpu"
     assert modes._backend_label(ran("CUDA"), "cuda") == "CUDA"
     assert modes._backend_label(ran("ggml-virtgpu"), "virtgpu", apir=True) == "ggml-virtgpu"
+
+
+def test_a_vm_mode_skips_a_program_that_needs_files_besides_the_model(tmp_path: Path) -> None:
+    """A VM gets the model as its only file: llama-perplexity's text would be missing there, so the VM
+    modes are skipped for it with the reason, before any VM is booted."""
+    from apirctl.bench.perplexity import LlamaPerplexity
+    from apirctl.bench.perplexity import Params as PerplexityParams
+
+    text = tmp_path / "text.txt"
+    text.write_text("words\n")
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    program = LlamaPerplexity(PerplexityParams(), text)
+    ctx = modes.Context(model_path=model, program=program)
+    outcomes = modes.run_modes(ctx, ["vm-cpu", "vm-remoting"])
+    assert [o.mode for o in outcomes] == ["vm-cpu", "vm-remoting"]
+    assert all(o.skipped and "needs more" in o.skipped and not o.results for o in outcomes)
