@@ -180,16 +180,10 @@ def portable_build():  # type: ignore[no-untyped-def]
     """A host build for any AVX2 CPU (`native_cpu` false): what a VM on QEMU's emulation can run where
     the host's CPU has AVX-512. It differs from the host build in ggml-cpu's flags alone, so it is
     mostly ccache's."""
-    from apirctl.build import llamacpp
     from tests.support import native_builds
 
     with _native_cpu("false"), shared_env(), native_builds.locked("llama-portable-build"):
-        options = llamacpp.host_options("cpu")
-        found = llamacpp.find(options)
-        if found is not None:
-            return found
-        with native_builds.timed(f"llama.cpp cpu host build for any AVX2 CPU ({options.key()})"):
-            return llamacpp.build(options)
+        return native_builds.host_build("cpu", what=" for any AVX2 CPU")
 
 
 @pytest.fixture(scope="session")

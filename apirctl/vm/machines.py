@@ -326,6 +326,17 @@ def _end_qemu(record: VmRecord, timeout: float) -> None:
         time.sleep(0.02)
 
 
+def wait_gone(name: str, timeout: float) -> bool:
+    """Wait up to `timeout` seconds for the VM's QEMU to end by itself; whether it did."""
+    record = _read(name)
+    deadline = time.monotonic() + timeout
+    while record is not None and alive(record):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def end(name: str, why: str, timeout: float = STOP_TIMEOUT) -> None:
     """End the VM's QEMU because of `why` (one line, which `ps -a` shows after `exited:`), keeping its
     folder, so that `logs` still reads its console until `stop` removes it. The relay calls it when the

@@ -268,6 +268,8 @@ def serve_vm(guest: socket.socket, instance: backends.Instance, vm: str) -> str:
     try:
         why = relay.run()
     finally:
+        if not why:  # QEMU closed the stream: it is exiting by itself (its program ended, or a stop)
+            machines.wait_gone(vm, machines.STOP_TIMEOUT)
         _end_both(vm, instance, why or "its relay ended")
     return why
 

@@ -77,16 +77,17 @@ def _copy_sdist() -> None:
     os.replace(partial, ours)
 
 
-def host_build() -> llamacpp.Build:
-    """The host build: the test cache's, else the user's copied in, else built (timed)."""
-    existing = llamacpp.current_build()
+def host_build(backend: llamacpp.Backend | None = None, what: str = "") -> llamacpp.Build:
+    """The host build (of `backend`, default this host's best): the test cache's, else the user's copied
+    in, else built (timed, named `what` in the times)."""
+    existing = llamacpp.current_build() if backend is None else llamacpp.find(llamacpp.host_options(backend))
     if existing is not None:
         return existing
-    options = llamacpp.host_options()
+    options = llamacpp.host_options(backend)
     copied = from_user_cache(options)
     if copied is not None:
         return copied
-    with timed(f"llama.cpp {options.backend} host build ({options.key()})"):
+    with timed(f"llama.cpp {options.backend} host build{what} ({options.key()})"):
         return llamacpp.build(options)
 
 

@@ -8,8 +8,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from apirctl import vm
+from apirctl.bench import modes
+from apirctl.bench.llamabench import LlamaBench, Params
 from apirctl.vm import machines
-from tests.vm.test_vm_serve import cli, vm_build, vm_image  # noqa: F401 (fixtures)
+from tests.support.waiting import wait_for
+from tests.vm.test_vm_serve import PORTABLE, PROBLEM, cli, vm_build, vm_image  # noqa: F401 (fixtures)
 from tests.vm.test_vm_serve import pytestmark as vm_marks
 
 pytestmark = vm_marks
@@ -34,3 +40,28 @@ def test_bench_runs_llama_bench_in_a_vm_on_its_cpu_and_through_remoting_and_leav
     assert run["system"]["extra"]["vm"].split(":")[0] in ("kvm", "tcg")
     left = [r.name for r in machines.records() if r.labels.get("apirctl.role") == "bench"]
     assert left == []
+
+
+def test_a_remoting_vm_whose_program_ends_is_not_noted_as_ended_by_its_relay(
+        podman: str, vm_image: str, demo_model: Path, vm_build: object, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """When the guest's program ends, QEMU closes the relay's stream as it exits: the relay waits for it
+    instead of ending it with a reason of its own, which `ps -a` would show as why the VM ended."""
+    if PROBLEM:
+        monkeypatch.setenv("APIRCTL_VM_ACCEL", "tcg")
+    if PORTABLE:
+        monkeypatch.setenv("APIRCTL_NATIVE_CPU", "false")
+    noted: dict[str, str] = {}
+    remove = vm.remove
+
+    def noting_remove(name: str, timeout: float = machines.STOP_TIMEOUT) -> bool:
+        relay = machines._read(name)
+        if relay is not None:  # the relay ends once QEMU has: what it noted is final then
+            wait_for("the VM's relay to end", lambda: not machines.relay_alive(relay), timeout=30)
+        noted[name] = vm.ended(name)
+        return remove(name, timeout)
+
+    monkeypatch.setattr(vm, "remove", noting_remove)
+    ctx = modes.Context(model_path=demo_model, program=LlamaBench(Params(pp=8, tg=2, reps=1, ngl=99)))
+    outcome = modes.run_in_vm(ctx, "vm-remoting", remoting=True)
+    assert outcome.results and outcome.backend and "RPC" in outcome.backend
+    assert list(noted.values()) == [""]
