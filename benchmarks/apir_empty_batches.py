@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import json
 import os
 import platform
 import statistics
@@ -32,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apir_serving_queries import apir_host, free_port, run_load, wait  # noqa: E402
+from apir_serving_queries import apir_host, emit, free_port, run_load, wait  # noqa: E402
 
 from apirctl import serve  # noqa: E402
 from apirctl.apir import trace as apir_trace  # noqa: E402
@@ -137,10 +136,7 @@ def main() -> None:
         "model": args.model.name, "streams": args.streams, "requests": args.streams * args.requests,
         "ubatch": args.ubatch, "passes": args.passes, "rows": rows, "summary": summary,
     }
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from apir_serving_queries import apir_host  # noqa: E402
+from apir_serving_queries import apir_host, emit  # noqa: E402
 
 from apirctl.apir import protocol  # noqa: E402
 from apirctl.apir import trace as apir_trace  # noqa: E402
@@ -135,16 +135,13 @@ def main() -> None:
                for mode in MODES}
     result = {
         "benchmark": "apir_prompt_client",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "series_after": llamacpp.patches_digest(), "series_before": args.series_before,
         "model": args.model.name, "tokens": args.tokens, "reps": args.reps, "passes": args.passes,
         "rows": rows, "summary": summary,
     }
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    emit(result, args.json)
 
 
 if __name__ == "__main__":

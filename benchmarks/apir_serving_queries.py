@@ -68,6 +68,14 @@ def wait(what: str, ready: Any, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def emit(result: dict[str, Any], path: Path | None, indent: int = 2) -> None:
+    """A benchmark's results: printed, and written to `path` (a results file) when one is given."""
+    text = json.dumps(result, indent=indent)
+    if path is not None:
+        path.write_text(text + "\n")
+    print(text)
+
+
 @contextlib.contextmanager
 def apir_host(bin_dir: Path, workdir: Path, trace: Path) -> Iterator[Path]:
     """apir-host on the CPU backend, tracing every call; yields its socket."""
@@ -230,10 +238,7 @@ def main() -> None:
                   "repetitions": 1, "native_first": True, "modes": {name: env for name, env in MODES}},
         "rows": rows,
     }
-    text = json.dumps(result, indent=1)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    emit(result, args.json, indent=1)
 
 
 if __name__ == "__main__":
