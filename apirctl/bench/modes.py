@@ -394,7 +394,7 @@ def run_apir(ctx: Context[R]) -> ModeOutcome[R]:
 
 
 #: How long a VM mode's program may run (an emulated VM computes at a few tokens a second), and its
-#: VM's memory (MiB; `serve --isolation vm`'s default).
+#: VM's memory (MiB): `serve --isolation vm`'s default, or the model's size and a GiB more.
 VM_TIMEOUT = 3600.0
 VM_MEMORY_MB = 2048
 
@@ -430,7 +430,8 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     instance = rpc_server.start_own_backend(name) if remoting else None
     record = vm.VmRecord(name=name, id=secrets.token_hex(32), labels={"apirctl.role": "bench",
                          "apirctl.bench.mode": mode}, image=tag, port=0, created=time.time(), accel=accel.name,
-                         memory_mb=VM_MEMORY_MB, cpus=os.cpu_count() or 1, rpc_instance=instance.id if instance else "")
+                         memory_mb=max(VM_MEMORY_MB, (ctx.model_path.stat().st_size >> 20) + 1024),
+                         cpus=os.cpu_count() or 1, rpc_instance=instance.id if instance else "")
     try:
         record = vm.launch(record, boot, rootfs, ctx.model_path, argv, rootfs.env, 0, "", model_file=filename)
         if instance is not None:  # the relay owns it now, and stops it with the VM
