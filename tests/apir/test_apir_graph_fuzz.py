@@ -56,6 +56,8 @@ HOSTS = ["apir_graph_fuzz", "rpc_graph_fuzz"]
 #: Reproducers of what the campaigns found past patches 0015 and 0018 (docs/reliability.md); the
 #: series' rules refuse each on both hosts.
 FINDINGS = sorted(p.name for p in (campaign.HERE / "findings").iterdir())
+#: Reproducers of kernel faults on data, in graphs the checks rightly take (patch 0023: a NaN quantized).
+COMPUTED = sorted(p.name for p in (campaign.HERE / "computed").iterdir())
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +138,18 @@ def test_a_finding_is_refused(fuzzers: dict[str, Path], host: str, finding: str)
     done = campaign.replay(fuzzers[host], campaign.HERE / "findings" / finding)
     assert done.returncode == 0, done.log
     assert done.counts == campaign.Counts(built=1, computed=0, refused=1), done.log
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("host", HOSTS)
+@pytest.mark.parametrize("finding", COMPUTED)
+def test_a_kernel_finding_computes_cleanly(fuzzers: dict[str, Path], host: str, finding: str) -> None:
+    """Each committed reproducer of a kernel's fault on the data of a graph the checks take: the host
+    computes it, and no sanitizer report follows (`cpy-of-nans-into-q5_0`: a buffer cleared to 0xff, NaNs,
+    copied into q5_0, whose quantizer converted NaN to an integer before patch 0023)."""
+    done = campaign.replay(fuzzers[host], campaign.HERE / "computed" / finding)
+    assert done.returncode == 0, done.log
+    assert done.counts.computed >= 1 and done.counts.refused == 0, done.log
 
 
 @pytest.mark.integration
