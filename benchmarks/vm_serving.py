@@ -64,6 +64,9 @@ def main() -> None:
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"bench failed: {done.stderr.strip()}")
+    bench = json.loads(done.stdout)
+    if "model_file" in bench:  # the file's name: where this machine keeps it is not a result
+        bench["model_file"] = Path(bench["model_file"]).name
     chosen = accel.choose(config.settings().vm_accel)
     stamp = datetime.now(tz=timezone.utc)
     kind = "vm_bench" if opts.llama_bench else "vm_serving"
@@ -71,7 +74,7 @@ def main() -> None:
               "cpus": os.cpu_count(), "cpu": cpu_model(), "model": Path(opts.model).name, "modes": opts.modes,
               "vm_accel": {"name": chosen.name, "why": chosen.why}, "kvm_problem": accel.kvm_problem(),
               "native_cpu": config.settings().native_cpu, "patch_digest": llamacpp.patches_digest(),
-              "command": command[1:], "bench": json.loads(done.stdout)}
+              "command": command[1:], "bench": bench}
     out = opts.out or Path(__file__).parent / "results" / f"{kind}-cpu-{stamp:%Y-%m-%d}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
