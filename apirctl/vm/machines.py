@@ -247,57 +247,46 @@ def console_path(name: str) -> Path:
     return folder(name) / CONSOLE
 
 
-def logs(name: str, tail_lines: int | None = None, follow: bool = False) -> Iterator[str]:
-    """The VM's console: the kernel's and init's lines, then llama-server's output."""
-    path = console_path(name)
+def logs(name: str, tail_lines: int | None = None, follow: bool = False,
+         timeout: float | None = None) -> Iterator[str]:
+    """The VM's console: the kernel's and init's lines, then the program's output. `follow` goes on
+    until QEMU ends (a VM still running after `timeout` seconds is an error); a line is given once it
+    is whole, or at the end."""
     try:
-        lines = path.read_text(errors="replace").splitlines()
+        stream = console_path(name).open(errors="replace")
     except OSError:
-        lines = []
-    yield from lines[-tail_lines:] if tail_lines else lines
-    if not follow:
         return
-    record = _read(name)
-    with contextlib.suppress(OSError), path.open(errors="replace") as stream:
-        stream.seek(0, os.SEEK_END)
-        while True:
-            line = stream.readline()
-            if line:
-                yield line.rstrip("\n")
-                continue
-            if record is None or not alive(record):
-                yield from (rest.rstrip("\n") for rest in stream.readlines())
-                return
+    with stream:
+        *lines, partial = stream.read().split("\n")
+        lines = [line.rstrip("\r") for line in lines]  # a serial console ends lines with CR LF
+        if not follow and partial:
+            lines.append(partial.rstrip("\r"))
+            partial = ""
+        yield from lines[-tail_lines:] if tail_lines else lines
+        record = _read(name) if follow else None
+        deadline = time.monotonic() + timeout if timeout is not None else None
+        while record is not None:
+            running = alive(record)
+            *complete, partial = (partial + stream.read()).split("\n")
+            yield from (line.rstrip("\r") for line in complete)
+            if not running:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                raise ApirctlError(f"the VM's program did not end within {timeout:g} s",
+                                   hint="fewer or shorter runs end sooner; an emulated VM is slow")
             time.sleep(0.1)
+        if partial:
+            yield partial.rstrip("\r")
 
 
 def follow_to_end(record: VmRecord, timeout: float, on_line: Callable[[str], None] | None = None) -> str:
     """A one-shot VM's console until its program ends (QEMU exits with it), each line given to `on_line`
     as it comes; a VM still running after `timeout` seconds is an error (the caller removes it)."""
-    path = console_path(record.name)
-    deadline = time.monotonic() + timeout
-    lines: list[str] = []
-    partial = ""
-    with contextlib.ExitStack() as stack:
-        stream = None
-        while True:
-            running = alive(record)
-            if stream is None and path.exists():
-                stream = stack.enter_context(path.open(errors="replace"))
-            chunk = stream.read() if stream is not None else ""
-            *complete, partial = (partial + chunk).split("\n")
-            for line in (raw.rstrip("\r") for raw in complete):  # a serial console ends lines with CR LF
-                lines.append(line)
-                if on_line is not None:
-                    on_line(line)
-            if not running:
-                break
-            if time.monotonic() > deadline:
-                raise ApirctlError(f"the VM's program did not end within {timeout:g} s",
-                                   hint="fewer or shorter runs end sooner; an emulated VM is slow")
-            time.sleep(0.1)
-    if partial:
-        lines.append(partial)
+    lines = []
+    for line in logs(record.name, follow=True, timeout=timeout):
+        lines.append(line)
+        if on_line is not None:
+            on_line(line)
     return "\n".join(lines)
 
 
