@@ -427,13 +427,22 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     extra = ["--rpc", vm.GUEST_RPC_ENDPOINT] if remoting else []
     argv = [executable, *program.arguments(f"/models/{filename}", mode, True, extra=extra)]
     name = f"bench-{new_id()}"
-    instance = rpc_server.start_own_backend(name) if remoting else None
+    region = vm.Region.create() if remoting else None
+    try:
+        instance = rpc_server.start_own_backend(name, region=region) if remoting else None
+    except BaseException:
+        if region is not None:
+            region.close()
+        raise
     record = vm.VmRecord(name=name, id=secrets.token_hex(32), labels={"apirctl.role": "bench",
                          "apirctl.bench.mode": mode}, image=tag, port=0, created=time.time(), accel=accel.name,
                          memory_mb=max(VM_MEMORY_MB, (ctx.model_path.stat().st_size >> 20) + 1024),
                          cpus=os.cpu_count() or 1, rpc_instance=instance.id if instance else "")
     try:
-        record = vm.launch(record, boot, rootfs, ctx.model_path, argv, rootfs.env, 0, "", model_file=filename)
+        record = vm.launch(record, boot, rootfs, ctx.model_path, argv, rootfs.env, 0, "", model_file=filename,
+                           region=region)
+        if region is not None:  # the backend and QEMU hold their own descriptors of it
+            region.close()
         if instance is not None:  # the relay owns it now, and stops it with the VM
             backends.hand_over(instance, record.relay_pid)
             instance = None
@@ -444,6 +453,8 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
         vm.remove(record.name)
         if instance is not None:
             backends.stop(instance)
+        if region is not None:
+            region.close()
     results = program.parse_output(console)
     if not results:  # (a relay notes why it ended the VM also when QEMU was already on its way out)
         raise ApirctlError(f"{program.executable} in the VM gave no results{' (ended: ' + why + ')' if why else ''}: "

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs, ensure, private_dir, socket_path
@@ -47,6 +47,15 @@ SHM_LOG_LINE = "RPC: shared-memory transport"
 READY_TIMEOUT = 60.0
 #: The patched server's cap on the host memory one client shares with it (and that it may pin).
 SHM_CAP_ENV = "GGML_RPC_SHM_CAP"
+
+
+class Inherited(Protocol):
+    """A descriptor a backend inherits, with the environment that names it to the server (a VM's
+    shared memory, `apirctl.vm.region`)."""
+
+    fd: int
+
+    def backend_env(self) -> dict[str, str]: ...
 
 
 # --- processes (shared with the host backend) ---------------------------------------------------
@@ -71,13 +80,16 @@ def cache_dir() -> Path:
 
 
 def spawn(build: Build, listen: list[str], log: Path, device: str | None, threads: int | None,
-          cache: bool, shm_cap: int | None = None) -> subprocess.Popen[bytes]:
+          cache: bool, shm_cap: int | None = None, region: Inherited | None = None) -> subprocess.Popen[bytes]:
     """Start the server in its own session with its output appended to `log`.
 
     `listen` is its address flags (`-H 127.0.0.1 -p PORT`, or `-H unix:PATH`). `shm_cap` bounds the
-    bytes of host memory its client may share with it (None: the server's default, 4 GiB).
+    bytes of host memory its client may share with it (None: the server's default, 4 GiB). `region`
+    is a descriptor it inherits, named in its environment (a VM's shared memory).
     """
     args, env = _command(build, listen, device, threads, cache, shm_cap)
+    if region is not None:
+        env.update(region.backend_env())
     ensure(log.parent)
     with log.open("ab") as fh:
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -86,7 +98,8 @@ def spawn(build: Build, listen: list[str], log: Path, device: str | None, thread
         # restore_signals=False keeps SIGPIPE ignored (Python's own setting) in the server: a client
         # that vanishes mid-reply (a killed container) then costs the server a failed write, not its life.
         child = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True, restore_signals=False)
+                                 start_new_session=True, restore_signals=False,
+                                 pass_fds=(region.fd,) if region is not None else ())
     return supervised.adopt(child)
 
 
@@ -184,9 +197,10 @@ def shm_cap(memory_limit: int | None) -> int | None:
 
 
 def start(build: Build, name: str, device: str | None = None, threads: int | None = None,
-          cache: bool = True, memory_limit: int | None = None) -> Instance:
+          cache: bool = True, memory_limit: int | None = None, region: Inherited | None = None) -> Instance:
     """Start a backend for the container (or bench run) `name` and wait until it answers; a container
-    with a memory limit shares at most that much host memory with it (`shm_cap`)."""
+    with a memory limit shares at most that much host memory with it (`shm_cap`); a VM's backend maps
+    the VM's `region`."""
     base = private_dir(dirs().runtime)
     instance_id = secrets.token_hex(4)
     directory = base / f"rpc-{instance_id}"
@@ -198,7 +212,7 @@ def start(build: Build, name: str, device: str | None = None, threads: int | Non
     try:
         directory.mkdir(mode=0o700)
         child = spawn(build, ["-H", f"{rpc_client.UNIX_PREFIX}{sock}"], log, device, threads, cache,
-                      shm_cap(memory_limit))
+                      shm_cap(memory_limit), region)
         instance.pid = child.pid
         _write(instance)
         wait_ready(child, instance.endpoint, None, log)

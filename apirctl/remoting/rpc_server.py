@@ -595,18 +595,20 @@ def _spawn(build: Build, listen: Listen, port: int, device: str | None, threads:
     return record
 
 
-def start_own_backend(name: str, memory_limit: int | None = None) -> backends.Instance:
+def start_own_backend(name: str, memory_limit: int | None = None,
+                      region: backends.Inherited | None = None) -> backends.Instance:
     """A backend of its own for the container (or bench run) `name`, with the host backend's
     settings (device, threads, weight cache): what local rpc containers run against. The container's
-    memory limit (bytes), if it has one, caps the host memory it shares with the backend."""
+    memory limit (bytes), if it has one, caps the host memory it shares with the backend; a VM's
+    `region` is the shared memory its guest reaches the backend through."""
     record = read_record()
     build = llamacpp.require_build()
     if record is None:
         settings = config.settings()
         return backends.start(build, name, threads=settings.threads, cache=settings.rpc_cache,
-                              memory_limit=memory_limit)
+                              memory_limit=memory_limit, region=region)
     return backends.start(build, name, device=record.device, threads=record.threads, cache=record.cache,
-                          memory_limit=memory_limit)
+                          memory_limit=memory_limit, region=region)
 
 
 def restart(options: RestartOptions, progress: Callable[[str], None] | None = None) -> MachineStatus:

@@ -69,6 +69,7 @@ class Provisioned:
     clock: PhaseClock
     instance: Instance | None = None
     apir: Host | None = None
+    region: vm.Region | None = None  # a remoting VM's shared memory, until QEMU has it too
     notices: list[str] = field(default_factory=list)
 
     @property
@@ -157,6 +158,7 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
     opts = opts.model_copy(update={"port": port})
     plan: Plan | None = None
     instance = apir = None
+    region: vm.Region | None = None
     try:
         if opts.rpc_backends:
             if opts.isolation == "vm":
@@ -175,7 +177,8 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
             plan = _remote_plan(opts)
         if plan.needs_backend:  # a backend of its own, on its own socket
             phase("rpc backend")
-            instance = rpc_server.start_own_backend(name, opts.memory)  # the cap on what it shares and pins
+            region = vm.Region.create() if opts.isolation == "vm" else None  # its guest's rings, mapped by both
+            instance = rpc_server.start_own_backend(name, opts.memory, region)  # the cap on what it shares and pins
             plan = transport.with_backend(plan, instance)
         if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
             phase("apir host")
@@ -190,7 +193,7 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
         notices += [n for n in (plan.notice, router_notice) if n]
         phase("container")
         yield Provisioned(opts=opts, plan=plan, model=model, name=name, image=image_ref, spec=built, api=api,
-                          clock=clock, instance=instance, apir=apir, notices=notices)
+                          clock=clock, instance=instance, apir=apir, region=region, notices=notices)
     except BaseException:
         with uninterrupted():
             if plan is not None and plan.tunnels:  # a kept container cannot use them either: it has exited
@@ -201,6 +204,8 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
                 apir_hosts.stop(apir)
         raise
     finally:
+        if region is not None:  # the backend and QEMU hold their own descriptors of it by now
+            region.close()
         claim.release()
 
 

@@ -194,7 +194,7 @@ def _start_vm(ready: Provisioned) -> Server:
                          cpus=opts.cpus or VM_CPUS, rpc_instance=instance.id if instance else "")
     clock.phase("vm boot")
     record = vm.launch(record, boot, rootfs, model.path, argv, rootfs.env, spec.CONTAINER_PORT,
-                       publish_ip(opts.host_ip), model_file=model.filename)
+                       publish_ip(opts.host_ip), model_file=model.filename, region=ready.region)
     try:
         if instance is not None:  # the relay keeps the backend from now on, and ends it with the VM
             backends.hand_over(instance, record.relay_pid)

@@ -5,7 +5,8 @@ cache), `rootfs` (the image's files as a cached read-only ext4 image), `accel` (
 ordinary guests, else emulation, with the reason; doctor's check), `machines` (start, list, logs,
 stop: one QEMU process and one runtime folder per VM, its record carrying a container's labels),
 `relay` (the host end of a remoting VM's RPC stream: a backend connection per client session; a VM
-and its backend end together).
+and its backend end together), `region` (the memory the guest and its backend share: the rings of
+the RPC transport, as the guest's ivshmem device).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from apirctl.vm.machines import (
     server_tail,
     servers,
 )
+from apirctl.vm.region import Region
 from apirctl.vm.rootfs import RootFs, ensure_rootfs
 
-__all__ = ["BUILD_HINT", "GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "RootFs", "VmRecord", "alive", "build_problem",
-           "choose", "ended", "ensure_boot_files", "ensure_rootfs", "exists", "follow_to_end", "kvm_problem", "launch",
-           "logs", "records", "relay_alive", "remove", "server_of", "server_tail", "servers", "tcg_unemulated"]
+__all__ = ["BUILD_HINT", "GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "Region", "RootFs", "VmRecord", "alive",
+           "build_problem", "choose", "ended", "ensure_boot_files", "ensure_rootfs", "exists", "follow_to_end",
+           "kvm_problem", "launch", "logs", "records", "relay_alive", "remove", "server_of", "server_tail", "servers",
+           "tcg_unemulated"]

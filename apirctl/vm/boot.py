@@ -5,7 +5,8 @@ Both come from Debian's packages, fetched with `apt-get download` and unpacked i
 `busybox-static`. The kernel builds virtio, ext4 and vsock as modules, so the initramfs carries
 exactly the modules the VM needs (their dependencies found with `modinfo`), busybox, and `init`:
 it loads the modules, brings up the network QEMU's user netdev expects, mounts the image's root
-filesystem read-only, links the model's disk where llama-server looks for it, and hands PID 1 to
+filesystem read-only, links the model's disk where llama-server looks for it, names a remoting VM's
+shared memory (the ivshmem device's BAR, `region`) to llama.cpp, and hands PID 1 to
 the server with `switch_root`. When the server ends, the kernel panics and QEMU exits
 (`-no-reboot`, `panic=-1`): the VM lives exactly as long as the server.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure
+from apirctl.vm.region import GUEST_ENV
 
 KERNEL_PACKAGE = "linux-image-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
@@ -28,7 +30,7 @@ BUSYBOX_PACKAGE = "busybox-static"
 MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "crc32c_generic", "ext4", "virtio_console",
            "vmw_vsock_virtio_transport")
 #: Bumped when the initramfs's contents change, so a cached one is made again.
-LAYOUT = "2"
+LAYOUT = "3"
 #: Guest address, gateway and where the model's disk appears (the second virtio-blk disk).
 GUEST_NET = ("10.0.2.15/24", "10.0.2.2")
 
@@ -52,6 +54,12 @@ done
 /bin/busybox mount -t tmpfs -o mode=1777 tmpfs /newroot/tmp
 /bin/busybox mount -t tmpfs tmpfs /newroot/models
 /bin/busybox ln -s /dev/vdb "/newroot/models/$APIRCTL_MODEL"
+# a remoting VM's shared memory (QEMU's ivshmem device, 1af4:1110): llama.cpp maps its BAR
+for d in /sys/bus/pci/devices/*; do
+  [ "$(/bin/busybox cat $d/vendor)" = 0x1af4 ] && [ "$(/bin/busybox cat $d/device)" = 0x1110 ] || continue
+  echo 1 > $d/enable 2>/dev/null
+  export @REGION_ENV@=$d/resource2
+done
 /bin/busybox mount --move /dev /newroot/dev
 /bin/busybox mount --move /proc /newroot/proc
 /bin/busybox mount --move /sys /newroot/sys
@@ -188,7 +196,7 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 def _initramfs(busybox: Path, modules: list[tuple[str, Path]]) -> bytes:
     directory, regular = 0o040755, 0o100755
     addr, gateway = GUEST_NET
-    init = INIT.replace("@ADDR@", addr).replace("@GW@", gateway)
+    init = INIT.replace("@ADDR@", addr).replace("@GW@", gateway).replace("@REGION_ENV@", GUEST_ENV)
     entries = [("bin", directory, b""), ("modules", directory, b""),
                ("bin/busybox", regular, busybox.read_bytes()), ("init", regular, init.encode()),
                ("modules.order", 0o100644, "\n".join(name for name, _ in modules).encode() + b"\n")]

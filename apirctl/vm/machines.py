@@ -41,6 +41,7 @@ from apirctl.podman.servers import Server, from_listed
 from apirctl.remoting import supervised
 from apirctl.vm import accel
 from apirctl.vm.boot import BootFiles
+from apirctl.vm.region import Region
 from apirctl.vm.rootfs import RootFs
 
 QEMU = "qemu-system-x86_64"
@@ -155,7 +156,7 @@ def kernel_command_line(model_file: str, argv: list[str], env: dict[str, str]) -
 
 
 def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, cmdline: str,
-                 guest_port: int, host_ip: str) -> list[str]:
+                 guest_port: int, host_ip: str, region: Region | None = None) -> list[str]:
     where = folder(record.name)
     machine = ["-M", "q35", "-accel", "kvm", "-cpu", "host,-arch-capabilities"] if record.accel == "kvm" else \
         ["-M", "q35", "-accel", "tcg,thread=multi", "-cpu", "max"]
@@ -166,6 +167,8 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
     if record.rpc_instance:  # the one way out of the VM: its backend, through QEMU's chardev socket
         netdev += f",guestfwd=tcp:{GUEST_RPC_ENDPOINT}-chardev:rpc"
         rpc = ["-chardev", f"socket,id=rpc,path={where / RPC_SOCKET},server=on,wait=off"]
+        if region is not None:  # and the rings of its transport, in memory the backend maps too
+            rpc += region.qemu_args()
     return [
         QEMU, *machine, "-m", str(record.memory_mb), "-smp", str(record.cpus),
         "-name", f"apirctl-{record.name}", "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
@@ -181,11 +184,12 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
 
 
 def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv: list[str], env: dict[str, str],
-           guest_port: int, host_ip: str, model_file: str | None = None) -> VmRecord:
+           guest_port: int, host_ip: str, model_file: str | None = None, region: Region | None = None) -> VmRecord:
     """Start QEMU for `record` (its folder made here); returns the record with QEMU's pid. QEMU's own
     refusal (no /dev/kvm access, a taken port) is one line; the folder is removed then. The guest sees
     the model as /models/`model_file` (default: the file's own name), the name llama-server's
-    arguments give it: a model from the store is a blob whose name is its digest."""
+    arguments give it: a model from the store is a blob whose name is its digest. A remoting VM's
+    `region` (the memfd its backend was started with) becomes the guest's ivshmem device."""
     base = private_dir(root())
     where = base / record.name
     try:
@@ -195,10 +199,13 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
                            hint=f"stop it with `apirctl stop {record.name}` or pick another --name") from exc
     try:
         cmdline = kernel_command_line(model_file or model.name, argv, env)
-        record.command = qemu_command(record, boot, rootfs, model, cmdline, guest_port, host_ip)
+        record.command = qemu_command(record, boot, rootfs, model, cmdline, guest_port, host_ip,
+                                      region if record.rpc_instance else None)
         _write(record)
+        inherited = (region.fd,) if region is not None and record.rpc_instance else ()
         try:
-            done = subprocess.run(record.command, capture_output=True, text=True, check=False, timeout=60)
+            done = subprocess.run(record.command, capture_output=True, text=True, check=False, timeout=60,
+                                  pass_fds=inherited)
         except FileNotFoundError as exc:
             raise ApirctlError(f"{QEMU} is not installed", hint="run scripts/system-deps.sh") from exc
         if done.returncode != 0:

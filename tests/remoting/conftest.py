@@ -9,10 +9,30 @@ import contextlib
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.support.ports import free_port
+
+
+@pytest.fixture(scope="module")
+def sanitized_rpc_server() -> Path:
+    """ggml-rpc-server built with AddressSanitizer and UndefinedBehaviorSanitizer: the server parses every
+    byte a container sends."""
+    from tests.remoting.test_shm_native import build_rpc_server
+
+    return build_rpc_server("sanitized-rpc-server", ["-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON"])
+
+
+@pytest.fixture(params=["release", "sanitized"])
+def server_binary(request: pytest.FixtureRequest, llama_build) -> tuple[Path, dict[str, str]]:  # type: ignore[no-untyped-def]
+    """The server the hostile tests attack: the build's, and the one built with the sanitizers."""
+    if request.param == "release":
+        return llama_build.binary("ggml-rpc-server"), {}
+    from tests.remoting.test_shm_native import SANITIZED_ENV
+
+    return request.getfixturevalue("sanitized_rpc_server"), SANITIZED_ENV
 
 
 @pytest.fixture

@@ -71,9 +71,11 @@ def tcp_connects(port: int) -> bool:
 
 
 @contextlib.contextmanager
-def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str] | None = None,
-               binary: Path | None = None) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:  # type: ignore[no-untyped-def]
-    """A ggml-rpc-server on the CPU (the build's, or `binary`); yields (process, the client's endpoint, its log)."""
+def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str] | None = None,  # type: ignore[no-untyped-def]
+               binary: Path | None = None,
+               pass_fds: tuple[int, ...] = ()) -> Iterator[tuple[subprocess.Popen[bytes], str, Path]]:
+    """A ggml-rpc-server on the CPU (the build's, or `binary`, inheriting `pass_fds`); yields (process, the
+    client's endpoint, its log)."""
     log = workdir / f"rpc-{endpoint}.log"
     port = 0
     if endpoint == "unix":
@@ -84,7 +86,8 @@ def rpc_server(build, workdir: Path, endpoint: str = "unix", env: dict[str, str]
         host, client = ["-H", "127.0.0.1", "-p", str(port)], f"127.0.0.1:{port}"
     with log.open("wb") as out:
         proc = subprocess.Popen([str(binary or build.binary("ggml-rpc-server")), *host, "-d", "CPU", "-t", "1"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                pass_fds=pass_fds)
     try:
         if endpoint == "unix":
             wait_for("the rpc server's socket", lambda: path.exists() and connects(path), 60)
@@ -220,10 +223,10 @@ def shared_request(tensor: bytes, offset: int, size: int, buffer_id: int, buffer
     return tensor + struct.pack("<QQQQ", offset, size, buffer_id, buffer_offset)
 
 
-def bench_ok(build, model: Path, endpoint: str) -> None:  # type: ignore[no-untyped-def]
+def bench_ok(build, model: Path, endpoint: str, env: dict[str, str] | None = None) -> None:  # type: ignore[no-untyped-def]
     done = subprocess.run([str(build.binary("llama-bench")), "-m", str(model), "--rpc", endpoint, "-ngl", "99",
                            "-dev", "RPC0", "-p", "0", "-n", "4", "-r", "1", "-t", "1", "-o", "json"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)[0]["n_gen"] == 4
 
@@ -262,24 +265,9 @@ def test_a_server_without_the_shared_memory_transport(llama_build, demo_model: P
         assert "shared-memory transport" not in text and "shared host buffer" not in text
 
 
-@pytest.fixture(scope="module")
-def sanitized_rpc_server() -> Path:
-    """ggml-rpc-server built with AddressSanitizer and UndefinedBehaviorSanitizer: the server parses every
-    byte a container sends."""
-    return build_rpc_server("sanitized-rpc-server", ["-DGGML_SANITIZE_ADDRESS=ON", "-DGGML_SANITIZE_UNDEFINED=ON"])
-
-
 # where a sanitizer finding stops the server at once: the test then sees it gone, and the report in its log
 SANITIZED_ENV = {"ASAN_OPTIONS": "abort_on_error=1:detect_leaks=0",
                  "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
-
-
-@pytest.fixture(params=["release", "sanitized"])
-def server_binary(request: pytest.FixtureRequest, llama_build) -> tuple[Path, dict[str, str]]:  # type: ignore[no-untyped-def]
-    """The server the hostile tests attack: the build's, and the one built with the sanitizers."""
-    if request.param == "release":
-        return llama_build.binary("ggml-rpc-server"), {}
-    return request.getfixturevalue("sanitized_rpc_server"), SANITIZED_ENV
 
 
 def no_sanitizer_report(log: Path) -> None:

@@ -14,24 +14,34 @@ import pytest
 
 from apirctl import config
 from apirctl.errors import ApirctlError
-from apirctl.vm import accel, boot, machines, rootfs
+from apirctl.vm import accel, boot, machines, region, rootfs
 
 needs_apt = pytest.mark.skipif(shutil.which("apt-get") is None, reason="the VM's kernel comes from apt (Debian)")
 
 
-def _cpio_names(data: bytes) -> list[str]:
-    names, at = [], 0
+def _cpio_entries(data: bytes) -> dict[str, bytes]:
+    """The files of a newc cpio archive (the initramfs apirctl writes), by name, in order."""
+    entries: dict[str, bytes] = {}
+    at = 0
     while True:
         header = data[at:at + 110]
         size, name_size = int(header[54:62], 16), int(header[94:102], 16)
         name = data[at + 110:at + 110 + name_size - 1].decode()
         if name == "TRAILER!!!":
-            return names
-        names.append(name)
+            return entries
         at += 110 + name_size
         at += -at % 4
+        entries[name] = data[at:at + size]
         at += size
         at += -at % 4
+
+
+def _cpio_names(data: bytes) -> list[str]:
+    return list(_cpio_entries(data))
+
+
+def _cpio_file(data: bytes, name: str) -> bytes:
+    return _cpio_entries(data)[name]
 
 
 @needs_apt
@@ -45,6 +55,9 @@ def test_the_initramfs_carries_init_busybox_and_each_module_after_its_dependenci
         assert order.index(before) < order.index(module), (before, module)
     assert files.kernel.stat().st_size > 1 << 20
     assert boot.ensure_boot_files() == files  # cached: the same files again
+    init = _cpio_file(files.initrd.read_bytes(), "init").decode()
+    # a remoting VM's shared memory: the ivshmem device's BAR, named to llama.cpp
+    assert "= 0x1110 ]" in init and f"export {region.GUEST_ENV}=$d/resource2" in init
 
 
 def test_a_dependency_missing_from_the_kernel_is_one_clear_error(tmp_path: Path) -> None:

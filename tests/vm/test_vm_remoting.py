@@ -9,6 +9,7 @@ listener, and only a booted guest writes into it)."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
@@ -27,6 +28,7 @@ from apirctl.remoting import backends, rpc_client, rpc_server
 from apirctl.serve import options
 from apirctl.serve.provision import local_plan
 from apirctl.vm import accel, boot, machines, relay
+from apirctl.vm.region import HOST_ENV, REGION_BYTES, Region
 from apirctl.vm.relay import Relay
 from apirctl.vm.rootfs import RootFs
 from tests.support.ports import free_port
@@ -98,6 +100,26 @@ def test_qemu_of_a_remoting_vm_forwards_exactly_one_address_to_a_socket_in_its_p
     (chardev,) = _option(command, "-chardev")  # one chardev: a Unix socket, no TCP listener
     assert chardev == f"socket,id=rpc,path={machines.folder('remote') / machines.RPC_SOCKET},server=on,wait=off"
     assert "host=" not in chardev and "port=" not in chardev
+    assert "-object" not in command and "-device" in command and not any("ivshmem" in a for a in command)
+
+
+def test_a_remoting_vms_shared_memory_is_its_backends_sealed_memfd_as_one_ivshmem_device(tmp_path: Path) -> None:
+    files = boot.BootFiles(kernel=tmp_path / "k", initrd=tmp_path / "i", version="v")
+    rootfs = RootFs(path=tmp_path / "root.img", image_id="x", entrypoint=[], env={})
+    with Region.create() as made:
+        seals = fcntl.fcntl(made.fd, fcntl.F_GET_SEALS)
+        assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
+        assert os.fstat(made.fd).st_size == REGION_BYTES and REGION_BYTES & (REGION_BYTES - 1) == 0
+        command = machines.qemu_command(_record("remote", "abcd1234"), files, rootfs, tmp_path / "m.gguf", "", 8000,
+                                        "127.0.0.1", made)
+        (memory,) = _option(command, "-object")
+        assert memory == (f"memory-backend-file,id=apirshm,mem-path=/proc/self/fd/{made.fd},size={REGION_BYTES},"
+                          "share=on")
+        assert [d for d in _option(command, "-device") if "ivshmem" in d] == ["ivshmem-plain,memdev=apirshm"]
+        assert made.backend_env() == {HOST_ENV: str(made.fd)}
+        fd = made.fd
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed when apirctl no longer needs it
 
 
 @pytest.fixture
