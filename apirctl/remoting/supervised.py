@@ -35,7 +35,7 @@ from apirctl.remoting.records import RecordStore
 
 STOP_TIMEOUT = 10.0
 #: Words of a server's log line that says why it stopped.
-FAILURE_WORDS = ("error", "failed", "unknown", "invalid", "abort", "refus")
+FAILURE_WORDS = ("error", "failed", "unknown", "invalid", "abort", "refus", "corrupt")
 
 # Popen objects of processes this process started, so that their exit is reaped (no zombies while a
 # long-lived caller, such as a test session, keeps running).

@@ -98,8 +98,12 @@ def _rpc_problem(server: Server) -> str | None:
 
 def _own_backends(servers: list[Server]) -> None:
     """Stop the backends of containers that no longer run (a container that died leaves nothing
-    behind), and show which links moved to shared memory (the backend's record knows)."""
+    behind)."""
     backends.clean(backends.keepers(servers))
+
+
+def _show_links(servers: list[Server]) -> None:
+    """Show which links moved to shared memory (the backend's record knows), a container's or a VM's."""
     for server in servers:
         if server.rpc_link == "unix" and server.rpc_instance:
             instance = backends.get(server.rpc_instance)
@@ -118,6 +122,7 @@ def list_servers(all: bool = False, probe_health: bool = True) -> list[Server]: 
     _own_backends(servers)
     if vm.records():  # micro-VMs (`--isolation vm`): listed from their records, with a container's labels
         servers = sorted(servers + vm.servers(all), key=_created, reverse=True)
+    _show_links(servers)
     _own_apir_hosts(servers, all)
     if probe_health:
         for server in servers:

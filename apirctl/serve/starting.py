@@ -202,6 +202,8 @@ def _start_vm(ready: Provisioned) -> Server:
         base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
         _wait_vm(record, base, opts.timeout)
         _check_ours(base, f"{spec.MODELS_DIR}/{model.filename}", opts.port)
+        if instance is not None:  # `ps` shows whether the guest's rings are in the VM's shared memory
+            backends.confirm_link(instance, release=False)
         clock.phase("ready")
     except BaseException as exc:
         with uninterrupted():
@@ -210,6 +212,8 @@ def _start_vm(ready: Provisioned) -> Server:
         _raise_with_log(exc, tail)
     server = vm.server_of(record)
     server.health = "ok"
+    if instance is not None:
+        server.rpc_link = instance.link
     return server
 
 

@@ -4,7 +4,8 @@
 //       shm_channel_test.cpp ggml/src/ggml-rpc/transport-shm.cpp -o shm_channel_test
 // The channel's peer is untrusted, so besides streaming it checks that a hostile peer scribbling
 // over the shared control page, an unsealed or resized memfd, and a peer that dies all end in a
-// clean failure, never a crash or a hang.
+// clean failure, never a crash or a hang; and the same over a region (a VM's shared memory, where a
+// waiting side polls instead of sleeping on a futex).
 
 #include "transport-shm.h"
 
@@ -42,11 +43,25 @@ static int failures = 0;
 struct pair_t {
     std::unique_ptr<shm_channel> client, server;
     int sock[2];
+    uint8_t * region = nullptr;
 };
 
-static pair_t make_pair(size_t ring) {
+static constexpr size_t REGION_SIZE = 4 << 20;
+
+static pair_t make_pair(size_t ring, bool in_region = false) {
     pair_t p;
     CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, p.sock) == 0);
+    if (in_region) {
+        void * m = mmap(nullptr, REGION_SIZE, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        CHECK(m != MAP_FAILED);
+        p.region = static_cast<uint8_t *>(m);
+        memset(p.region, 0xa5, REGION_SIZE);  // what a previous session or the guest left there
+        // the server makes the rings before it answers HELLO; the client takes them as they are
+        p.server = shm_channel::over_region(p.region, REGION_SIZE, ring, false, true);
+        p.client = shm_channel::over_region(p.region, REGION_SIZE, ring, true, false);
+        CHECK(p.server != nullptr && p.client != nullptr);
+        return p;
+    }
     p.client = shm_channel::create(ring);
     CHECK(p.client != nullptr);
     p.server = shm_channel::attach(dup(p.client->fd()), ring);
@@ -57,11 +72,17 @@ static pair_t make_pair(size_t ring) {
 static void close_pair(pair_t & p) {
     close(p.sock[0]);
     close(p.sock[1]);
+    if (p.region) {
+        p.client.reset();
+        p.server.reset();
+        munmap(p.region, REGION_SIZE);
+        p.region = nullptr;
+    }
 }
 
 // a stream far larger than the ring, in random chunk sizes on both ends, arrives intact
-static void test_stream(size_t ring, size_t total, uint32_t seed) {
-    pair_t p = make_pair(ring);
+static void test_stream(size_t ring, size_t total, uint32_t seed, bool in_region = false) {
+    pair_t p = make_pair(ring, in_region);
     std::vector<uint8_t> out(total), in(total);
     std::mt19937 rng(seed);
     for (auto & b : out) b = (uint8_t)rng();
@@ -94,8 +115,8 @@ static void test_stream(size_t ring, size_t total, uint32_t seed) {
 }
 
 // a reader waiting for data whose peer dies returns false promptly instead of hanging
-static void test_peer_death() {
-    pair_t p = make_pair(shm_channel::MIN_RING_SIZE);
+static void test_peer_death(bool in_region = false) {
+    pair_t p = make_pair(shm_channel::MIN_RING_SIZE, in_region);
     auto t0 = std::chrono::steady_clock::now();
     std::thread killer([&] {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -107,7 +128,7 @@ static void test_peer_death() {
     double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     CHECK(s < 5.0);
     // a writer blocked on a full ring, too
-    pair_t q = make_pair(shm_channel::MIN_RING_SIZE);
+    pair_t q = make_pair(shm_channel::MIN_RING_SIZE, in_region);
     std::vector<uint8_t> big(4 * shm_channel::MIN_RING_SIZE);
     std::thread killer2([&] {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -149,12 +170,13 @@ static void test_attach_checks() {
 
 // a hostile client scribbles over the control page while the server reads and writes:
 // every call ends, with data or with false, and nothing reads or writes outside the mapping
-static void test_hostile_peer(uint32_t seed, int rounds) {
+static void test_hostile_peer(uint32_t seed, int rounds, bool in_region = false) {
     std::mt19937 rng(seed);
     int failed = 0, ok = 0;
     for (int round = 0; round < rounds; round++) {
-        pair_t p = make_pair(shm_channel::MIN_RING_SIZE);
-        uint8_t * page = (uint8_t *)mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, p.client->fd(), 0);
+        pair_t p = make_pair(shm_channel::MIN_RING_SIZE, in_region);
+        uint8_t * page = in_region ? p.region :
+            (uint8_t *)mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, p.client->fd(), 0);
         // some honest traffic first, so positions are not all zero
         std::vector<uint8_t> buf(rng() % 200000 + 1);
         size_t pre = rng() % 70000;
@@ -180,10 +202,24 @@ static void test_hostile_peer(uint32_t seed, int rounds) {
         bool r1 = p.server->recv(buf.data(), buf.size(), p.sock[1]);
         bool r2 = p.server->send(buf.data(), buf.size(), p.sock[1]);
         (r1 && r2) ? ok++ : failed++;
-        munmap(page, 4096);
+        if (!in_region) {
+            munmap(page, 4096);
+        }
         close_pair(p);
     }
-    printf("hostile peer: %d rounds, %d ended in a clean failure, %d completed\n", rounds, failed, ok);
+    printf("hostile peer%s: %d rounds, %d ended in a clean failure, %d completed\n", in_region ? " in a region" : "",
+           rounds, failed, ok);
+}
+
+// rings are placed in a region only where they fit, at a size the memfd channel accepts too
+static void test_region_checks() {
+    std::vector<uint8_t> small(shm_channel_file_size(shm_channel::MIN_RING_SIZE) - 1);
+    CHECK(shm_channel::over_region(small.data(), small.size(), shm_channel::MIN_RING_SIZE, false, true) == nullptr);
+    std::vector<uint8_t> region(shm_channel_file_size(shm_channel::MIN_RING_SIZE));
+    CHECK(shm_channel::over_region(region.data(), region.size(), shm_channel::MIN_RING_SIZE + 1, false, true) == nullptr);
+    CHECK(shm_channel::over_region(region.data(), region.size(), 1024, false, true) == nullptr);
+    CHECK(shm_channel::over_region(region.data(), region.size(), (size_t)1 << 40, false, true) == nullptr);
+    CHECK(shm_channel::over_region(region.data(), region.size(), shm_channel::MIN_RING_SIZE, false, true) != nullptr);
 }
 
 // Generated inputs against the position checks, fast enough for millions: the hostile side writes
@@ -256,6 +292,11 @@ int main(int argc, char ** argv) {
     test_peer_death();
     test_attach_checks();
     test_hostile_peer(3, rounds);
+    test_stream(shm_channel::MIN_RING_SIZE, 3 * 1024 * 1024 + 5, 4, true);
+    test_stream(1 << 20, 3 * 1024 * 1024 + 13, 5, true);
+    test_peer_death(true);
+    test_hostile_peer(6, rounds / 3 + 1, true);
+    test_region_checks();
     if (failures) {
         printf("%d checks failed\n", failures);
         return 1;

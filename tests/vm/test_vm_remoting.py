@@ -10,6 +10,7 @@ listener, and only a booted guest writes into it)."""
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import secrets
 import shutil
@@ -31,9 +32,11 @@ from apirctl.vm import accel, boot, machines, relay
 from apirctl.vm.region import HOST_ENV, REGION_BYTES, Region
 from apirctl.vm.relay import Relay
 from apirctl.vm.rootfs import RootFs
+from tests.remoting.test_shm_native import RING0_HEAD, SHM_CAPS_MAGIC, hello
 from tests.support.ports import free_port
 from tests.support.waiting import wait_for
 
+REGION_FEATURE = 2  # the shm capability's bit: rings in the region (llama_patches/ 0024)
 needs_qemu = pytest.mark.skipif(shutil.which(machines.QEMU) is None, reason="QEMU is needed")
 GIB = 1 << 30
 
@@ -245,14 +248,16 @@ def test_a_remoting_vms_backend_ends_with_its_vm_and_stop_leaves_nothing(
 
 def _launch(name: str, memory: int, files: boot.BootFiles,
             rootfs: RootFs) -> tuple[backends.Instance, machines.VmRecord]:
-    """A remoting VM as serve starts one: its own backend, QEMU, and the relay that owns the backend."""
-    instance = rpc_server.start_own_backend(name, memory)
-    try:
-        record = machines.launch(_record(name, instance.id, free_port()), files, rootfs, rootfs.path, ["/bin/true"],
-                                 {}, 8000, "127.0.0.1")
-    except BaseException:
-        backends.stop(instance)
-        raise
+    """A remoting VM as serve starts one: its own backend and shared memory, QEMU, and the relay that owns
+    the backend."""
+    with Region.create() as region:
+        instance = rpc_server.start_own_backend(name, memory, region)
+        try:
+            record = machines.launch(_record(name, instance.id, free_port()), files, rootfs, rootfs.path,
+                                     ["/bin/true"], {}, 8000, "127.0.0.1", region=region)
+        except BaseException:
+            backends.stop(instance)
+            raise
     backends.hand_over(instance, record.relay_pid)
     wait_for(f"the relay of {name} to run", lambda: machines.relay_alive(record), timeout=10)
     return instance, record
@@ -301,6 +306,55 @@ def test_two_remoting_vms_keep_a_backend_each_and_garbage_on_one_stream_ends_tha
         assert _answers(b) >= 1  # B's backend answers HELLO and the device count
         assert serve.stop("vm-a") == ["vm-a"] and not machines.folder("vm-a").exists()
         assert machines.alive(vm_b) and _answers(b) >= 1
+    finally:
+        for name, (instance, _) in started.items():
+            machines.remove(name)
+            backends.stop(instance.id)
+    for name, (instance, _) in started.items():
+        assert not machines.folder(name).exists() and _gone(instance)
+
+
+def _qemus_region(record: machines.VmRecord) -> mmap.mmap:
+    """The VM's shared memory as its guest sees it: QEMU's own descriptor of the memfd, mapped here."""
+    (memory,) = _option(record.command, "-object")
+    number = memory.split("mem-path=/proc/self/fd/")[1].split(",")[0]
+    fd = os.open(f"/proc/{record.pid}/fd/{number}", os.O_RDWR)
+    try:
+        return mmap.mmap(fd, REGION_BYTES)
+    finally:
+        os.close(fd)
+
+
+@needs_qemu
+def test_garbage_in_one_vms_shared_memory_ends_that_vm_alone(
+        vm_build: object, idle_guest: tuple[boot.BootFiles, RootFs], podman: str) -> None:
+    """A guest that asked for its rings in the VM's shared memory, then writes a position past the ring
+    into it (written here into QEMU's own mapping of the region, as the guest's would land): A's backend
+    refuses the session, the relay ends VM A and its backend, and VM B, with a region and a backend of its
+    own, serves on."""
+    started: dict[str, tuple[backends.Instance, machines.VmRecord]] = {}
+    try:
+        for name in ("vm-a", "vm-b"):
+            started[name] = _launch(name, GIB, *idle_guest)
+        (a, vm_a), (b, vm_b) = started["vm-a"], started["vm-b"]
+        assert _environ(a.pid)[HOST_ENV] and _environ(b.pid)[HOST_ENV]
+
+        guest, host = socket.socketpair()
+        guest.settimeout(30)
+        ended: list[str] = []
+        stream = threading.Thread(target=lambda: ended.append(relay.serve_vm(host, a, "vm-a")), daemon=True)
+        stream.start()
+        answer = hello(guest, struct.pack("<IIQQ", SHM_CAPS_MAGIC, 1, 0, REGION_FEATURE))
+        assert struct.unpack_from("<Q", answer, len(answer) - 8)[0] & REGION_FEATURE  # A's backend made rings
+        with _qemus_region(vm_a) as region:
+            struct.pack_into("<Q", region, RING0_HEAD, 1 << 40)
+        stream.join(timeout=30)
+        assert len(ended) == 1 and ended[0].startswith("rpc backend refused the guest's session 1"), ended
+        assert "corrupted the ring's write position" in ended[0]
+        wait_for("VM A's QEMU to end", lambda: not machines.alive(vm_a), timeout=30)
+        wait_for("VM A's backend to be gone", lambda: not backends.is_backend_process(a.pid), timeout=30)
+
+        assert machines.alive(vm_b) and machines.relay_alive(vm_b) and _answers(b) >= 1
     finally:
         for name, (instance, _) in started.items():
             machines.remove(name)

@@ -182,13 +182,13 @@ def test_a_vm_with_remoting_computes_on_its_own_host_backend_and_leaves_nothing(
         expected = greedy_tokens(json.loads(container.stdout)["url"])
         assert greedy_tokens(str(a["url"])) == expected
         log = Path(inst_a.log).read_text()
-        # the guest's requests move through the rings in the VM's shared memory (its ivshmem device), so
-        # the relay carries each session's HELLO alone; the weights are on the backend's device
+        # the guest's requests move through the rings in the VM's shared memory (its ivshmem device): the
+        # relay carries each session's HELLO alone
         assert "Accepted client connection" in log and "shared-memory transport in a region" in log, log[-2000:]
-        assert "RPC0" in cli("logs", first).stdout
 
         listed = {s["name"]: s for s in ps()}
         assert listed[first]["transport"] == "rpc" and listed[first]["health"] == "ok"
+        assert a["rpc_link"] == listed[first]["rpc_link"] == "shm"
         assert "load_model" in cli("logs", first).stdout
 
         assert cli("stop", first).returncode == 0
