@@ -459,7 +459,10 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     if not results:  # (a relay notes why it ended the VM also when QEMU was already on its way out)
         raise ApirctlError(f"{program.executable} in the VM gave no results{' (ended: ' + why + ')' if why else ''}: "
                            f"{reader.tail_text() or 'no output'}")
-    transport = "rpc-vm-relay" if remoting else None
+    # the guest's rings in the VM's shared memory (llama_patches/ 0024: its llama.cpp says so), or every
+    # byte through the relay
+    in_region = backends.SHM_LOG_LINE in console
+    transport = ("rpc-vm-region" if in_region else "rpc-vm-relay") if remoting else None
     return ModeOutcome(mode, results, backend=_backend_label(results, "rpc" if remoting else "cpu"), client="vm",
                        transport=transport)
 

@@ -162,18 +162,22 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @contextlib.contextmanager
 def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | None = None,
-              env: dict[str, str] | None = None, backend_library: Path | None = None
-              ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+              env: dict[str, str] | None = None, backend_library: Path | None = None,
+              region_fd: int | None = None) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
     """apir-host on the CPU backend (with `env` added to its environment), over the build's backend
-    library or `backend_library`; yields (process, socket, log)."""
+    library or `backend_library`, sharing the memfd `region_fd` with its clients if given; yields
+    (process, socket, log)."""
     path, log = workdir / "apir.sock", workdir / "apir-host.log"
     library = backend_library or build.library("ggml-virtgpu-backend")
     args = [str(exe), "--socket", str(path), "--backend-library", str(library),
             "--ggml-library", str(build.library("ggml-cpu"))]
     if trace is not None:
         args += ["--trace", str(trace)]
+    if region_fd is not None:
+        args += ["--region-fd", str(region_fd)]
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
+                                pass_fds=(region_fd,) if region_fd is not None else (),
                                 # a crash of the backend library (by design, in a child) is a signal, not a report
                                 env={**os.environ, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1:handle_segv=0",
                                      **(env or {})})
