@@ -132,11 +132,18 @@ class Conformance:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total",
                               "--format=csv,noheader"], capture_output=True, text=True) \
             if shutil.which("nvidia-smi") else None
+        series = {"patch_digest": series_digest(self.args.patches),
+                  "patches": (self.args.patches / "series").read_text().split()}
+        # a build of benchmarks/gpu_remoting.py names its own series beside its programs: that is what runs
+        marker = self.args.prebuilt / "apirctl-patch-digest.json" if self.args.prebuilt else None
+        built = json.loads(marker.read_text()) if marker is not None and marker.exists() else None
         self.results["env"] = {
             "gpus": smi.stdout.strip().splitlines() if smi else [], "cpus": os.cpu_count(),
-            "kernel": os.uname().release, "patch_digest": series_digest(self.args.patches),
-            "patches": (self.args.patches / "series").read_text().split(), "native_device": self.args.native_device,
+            "kernel": os.uname().release, **(built or series), "native_device": self.args.native_device,
             "repetitions": 1, "deadline_s": self.args.deadline, "case_subset": None}
+        if self.args.prebuilt is not None:
+            self.results["env"]["prebuilt"] = True
+            self.results["env"]["checkout_patch_digest"] = series["patch_digest"]
 
     def save(self) -> None:
         with self.lock:

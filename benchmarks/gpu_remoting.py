@@ -157,6 +157,10 @@ def apir_per_token(records: list) -> dict:
     }
 
 
+#: Written beside a build's programs: the series it was built from (`record_patch_digest`).
+PATCH_DIGEST_FILE = "apirctl-patch-digest.json"
+
+
 class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -244,13 +248,27 @@ class Runner:
             subprocess.run(cmd, cwd=src, check=True)
 
     def record_patch_digest(self) -> None:
+        """The series the binaries were built from. A build writes its digest beside its programs
+        (`PATCH_DIGEST_FILE`), so that a `--prebuilt` call records the series of the binaries it runs,
+        not the one its checkout holds then (they differed once: the checkout moved on between calls)."""
         folder = self.args.patches
-        self.results["env"]["patches"] = (folder / "series").read_text().split()
+        patches = (folder / "series").read_text().split()
         # the digest `apirctl setup` keys its build on (apirctl.build.llamacpp.patches_digest), of this folder
         h = hashlib.sha256()
-        for name in self.results["env"]["patches"]:
+        for name in patches:
             h.update(name.encode() + b"\0" + (folder / name).read_bytes())
-        self.results["env"]["patch_digest"] = h.hexdigest()[:12]
+        digest = h.hexdigest()[:12]
+        marker = self.build / "bin" / PATCH_DIGEST_FILE
+        env = self.results["env"]
+        if self.args.prebuilt is None:
+            env["patches"], env["patch_digest"] = patches, digest
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"patch_digest": digest, "patches": patches}) + "\n")
+            return
+        built = json.loads(marker.read_text()) if marker.exists() else {}
+        env["patches"], env["patch_digest"] = built.get("patches"), built.get("patch_digest")
+        env["prebuilt"] = True
+        env["checkout_patch_digest"] = digest  # the series this call's checkout held, for comparison
 
     def executables(self) -> list[str]:
         """The programs the parts asked for need (`passthrough`: those apirctl's image carries). llama-server
