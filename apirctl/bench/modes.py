@@ -441,11 +441,7 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     try:
         record = vm.launch(record, boot, rootfs, ctx.model_path, argv, rootfs.env, 0, "", model_file=filename,
                            region=region)
-        if region is not None:  # the backend and QEMU hold their own descriptors of it
-            region.close()
-        if instance is not None:  # the relay owns it now, and stops it with the VM
-            backends.hand_over(instance, record.relay_pid)
-            instance = None
+        instance = None  # the VM's relay owns it now, and stops it with the VM
         reader = program.reader(ctx.progress(mode))
         console = vm.follow_to_end(record, VM_TIMEOUT, on_line=reader.feed)
         why = vm.ended(record.name)

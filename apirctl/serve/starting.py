@@ -195,15 +195,13 @@ def _start_vm(ready: Provisioned) -> Server:
     clock.phase("vm boot")
     record = vm.launch(record, boot, rootfs, model.path, argv, rootfs.env, spec.CONTAINER_PORT,
                        publish_ip(opts.host_ip), model_file=model.filename, region=ready.region)
-    try:
-        if instance is not None:  # the relay keeps the backend from now on, and ends it with the VM
-            backends.hand_over(instance, record.relay_pid)
+    try:  # (the relay keeps the backend from now on, and ends it with the VM)
         clock.phase("loading model")
         base = server_url(opts.host_ip, opts.port).removesuffix("/v1")
         _wait_vm(record, base, opts.timeout)
         _check_ours(base, f"{spec.MODELS_DIR}/{model.filename}", opts.port)
         if instance is not None:  # `ps` shows whether the guest's rings are in the VM's shared memory
-            backends.confirm_link(instance, release=False)
+            instance = backends.confirm_link(backends.get(instance.id) or instance, release=False)
         clock.phase("ready")
     except BaseException as exc:
         with uninterrupted():

@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, private_dir
 from apirctl.podman.servers import Server, from_listed
-from apirctl.remoting import supervised
+from apirctl.remoting import backends, supervised
 from apirctl.vm import accel
 from apirctl.vm.boot import BootFiles
 from apirctl.vm.region import Region
@@ -189,7 +189,8 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
     refusal (no /dev/kvm access, a taken port) is one line; the folder is removed then. The guest sees
     the model as /models/`model_file` (default: the file's own name), the name llama-server's
     arguments give it: a model from the store is a blob whose name is its digest. A remoting VM's
-    `region` (the memfd its backend was started with) becomes the guest's ivshmem device."""
+    `region` (the memfd its backend was started with) becomes the guest's ivshmem device, and its
+    backend is handed to its relay, which stops it with the VM."""
     base = private_dir(root())
     where = base / record.name
     try:
@@ -217,6 +218,8 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
             (where / RPC_SOCKET).chmod(0o600)  # its folder is 0700 already: the owner's alone, twice
             record.relay_pid = _start_relay(record)
             _write(record)
+            if (instance := backends.get(record.rpc_instance)) is not None:
+                backends.hand_over(instance, record.relay_pid)  # the relay stops it with the VM from now on
         return record
     except BaseException:
         remove(record.name)

@@ -258,7 +258,7 @@ def _launch(name: str, memory: int, files: boot.BootFiles,
         except BaseException:
             backends.stop(instance)
             raise
-    backends.hand_over(instance, record.relay_pid)
+    assert backends.get(instance.id).owner_pid == record.relay_pid  # type: ignore[union-attr]  # launch handed it over
     wait_for(f"the relay of {name} to run", lambda: machines.relay_alive(record), timeout=10)
     return instance, record
 
