@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.remoting import supervised
-from apirctl.remoting.supervised import Registry, Supervised, failure_line, reap
+from apirctl.remoting.supervised import Inherited, Registry, Supervised, failure_line, reap
 
 if TYPE_CHECKING:
     from apirctl.build.llamacpp import Build
@@ -176,11 +176,13 @@ def frontend_problem(build: Build | None) -> str | None:
 # --- starting and stopping ------------------------------------------------------------------------
 
 
-def start(build: Build, name: str, trace: bool = False, respawn: bool = False, mem_cap: int | None = None) -> Host:
+def start(build: Build, name: str, trace: bool = False, respawn: bool = False, mem_cap: int | None = None,
+          region: Inherited | None = None) -> Host:
     """Start an apir-host for the container (or bench run) `name` and wait until it listens.
 
     `respawn` (a server with a Podman restart policy): a host that dies is started again, so that
-    the container Podman restarts after it finds one."""
+    the container Podman restarts after it finds one. `region`: a VM's shared memory, whose ranges
+    its frontend names its resources by (`apir-host --region-fd`; llama_patches/ 0025)."""
     backend_library, ggml_library, reg = libraries(build)
     binary = build.binary(BINARY)
     base = private_dir(dirs().runtime)
@@ -198,20 +200,21 @@ def start(build: Build, name: str, trace: bool = False, respawn: bool = False, m
                 reg=reg, respawn=respawn, mem_cap=mem_cap)
     try:
         directory.mkdir(mode=0o700)
-        _launch(host)
+        _launch(host, region=region)
     except BaseException:
         stop(host)
         raise
     return host
 
 
-def _command(host: Host) -> list[str]:
+def _command(host: Host, region: Inherited | None = None) -> list[str]:
     args = [host.binary, "--socket", str(host.socket), "--backend-library", host.backend_library,
             "--ggml-library", host.ggml_library, "--ggml-reg", host.reg]
-    return args + (["--trace", host.trace] if host.trace else [])
+    args += ["--trace", host.trace] if host.trace else []
+    return args + (["--region-fd", str(region.fd)] if region is not None else [])
 
 
-def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
+def _launch(host: Host, timeout: float = READY_TIMEOUT, region: Inherited | None = None) -> None:
     """Run the host under its watcher, record it, and wait for its ready line."""
     log = Path(host.log)
     ensure(log.parent)
@@ -219,7 +222,7 @@ def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
     pid_file = _pid_file(host.id)
     pid_file.unlink(missing_ok=True)
     since = log.stat().st_size if log.exists() else 0
-    command = _command(host)
+    command = _command(host, region)
     with log.open("ab") as fh:
         stamp = datetime.now(timezone.utc).isoformat(timespec="seconds")
         fh.write(f"--- apirctl: {stamp} starting {' '.join(command)}\n".encode())
@@ -232,7 +235,8 @@ def _launch(host: Host, timeout: float = READY_TIMEOUT) -> None:
         watcher = subprocess.Popen(["sh", "-c", _WATCHER, "apir-watch", str(pid_file), "1" if host.respawn else "0",
                                     str(RESPAWN_LIMIT), *command], env=env,
                                    stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
-                                   start_new_session=True, restore_signals=False)
+                                   start_new_session=True, restore_signals=False,
+                                   pass_fds=(region.fd,) if region is not None else ())
     supervised.adopt(watcher)
     host.watcher = watcher.pid
     _write(host)

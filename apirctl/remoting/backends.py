@@ -27,12 +27,12 @@ import time
 from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from apirctl.errors import ApirctlError
 from apirctl.paths import dirs, ensure, private_dir, socket_path
 from apirctl.remoting import rpc_client, supervised
-from apirctl.remoting.supervised import STOP_TIMEOUT, Registry, Supervised
+from apirctl.remoting.supervised import STOP_TIMEOUT, Inherited, Registry, Supervised
 
 if TYPE_CHECKING:
     from apirctl.build.llamacpp import Build
@@ -48,14 +48,6 @@ READY_TIMEOUT = 60.0
 #: The patched server's cap on the host memory one client shares with it (and that it may pin).
 SHM_CAP_ENV = "GGML_RPC_SHM_CAP"
 
-
-class Inherited(Protocol):
-    """A descriptor a backend inherits, with the environment that names it to the server (a VM's
-    shared memory, `apirctl.vm.region`)."""
-
-    fd: int
-
-    def backend_env(self) -> dict[str, str]: ...
 
 
 # --- processes (shared with the host backend) ---------------------------------------------------

@@ -37,6 +37,15 @@ STOP_TIMEOUT = 10.0
 #: Words of a server's log line that says why it stopped.
 FAILURE_WORDS = ("error", "failed", "unknown", "invalid", "abort", "refus", "corrupt")
 
+
+class Inherited(Protocol):
+    """A descriptor a host process inherits, with the environment that names it to the process (a VM's
+    shared memory, `apirctl.vm.region`): `backend_env` for ggml-rpc-server, `fd` for `apir-host --region-fd`."""
+
+    fd: int
+
+    def backend_env(self) -> dict[str, str]: ...
+
 # Popen objects of processes this process started, so that their exit is reaped (no zombies while a
 # long-lived caller, such as a test session, keeps running).
 _children: list[subprocess.Popen[bytes]] = []

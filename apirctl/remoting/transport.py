@@ -167,10 +167,22 @@ def local_rpc_plan(ngl: int, requested: str = "rpc") -> Plan:
 def vm_rpc_plan(ngl: int, endpoint: str, requested: str = "rpc") -> Plan:
     """The rpc wiring of a VM (`serve --isolation vm`): a backend of its own on a Unix socket, as a
     container's, that the guest's llama.cpp dials at `endpoint`, the one address QEMU forwards to it
-    (`apirctl.vm.machines`). Memory cannot be shared across the VM yet: the guest dials TCP, so the
-    connection never moves to shared memory."""
+    (`apirctl.vm.machines`); its rings live in the memory the VM shares with the backend (`vm.region`)."""
     return Plan(transport="rpc", requested=requested, rpc_link="unix",
                 llama_args=["--rpc", endpoint, "--n-gpu-layers", str(ngl)])
+
+
+def vm_apir_plan(ngl: int, endpoint: str, requested: str = "virtgpu") -> Plan:
+    """The APIR wiring of a VM: an apir-host of its own, which the guest's frontend reaches at
+    `endpoint` (the one address QEMU forwards) with its resources in the memory the VM shares with the
+    host (llama_patches/ 0025); its buffers stay in the host backend's memory (the region holds the
+    transfers, not the weights)."""
+    problem = apir_problem(llamacpp.current_build(), llamacpp.container_build())
+    if problem:
+        raise ApirctlError(f"the virtgpu transport is not available: {problem}", hint="run `apirctl setup`")
+    return Plan(transport="virtgpu", requested=requested, apir_link="socket",
+                environment={apir_hosts.SOCKET_ENV: f"tcp:{endpoint}", "GGML_VIRTGPU_SHARED_BUFFERS": "0"},
+                llama_args=["--n-gpu-layers", str(ngl)])
 
 
 def with_backend(plan: Plan, instance: Instance) -> Plan:

@@ -96,22 +96,26 @@ ISOLATIONS = ("container", "vm")
 
 def local_plan(opts: ServeOptions) -> Plan:
     """The transport's plan on this host (no --rpc-backend): what `serve` and `--generate` wire. A VM
-    (`--isolation vm`) runs on its own CPU, or with `--transport rpc` on a backend of its own on the
-    host, reached through the one address its restricted network forwards (`vm.GUEST_RPC_ENDPOINT`)."""
+    (`--isolation vm`) runs on its own CPU, or with `--transport rpc` (`virtgpu`) on a backend (an
+    apir-host) of its own on the host, reached through the one address its restricted network forwards
+    (`vm.GUEST_RPC_ENDPOINT`) and the memory it shares with it (`vm.Region`)."""
     if opts.isolation not in ISOLATIONS:
         raise ApirctlError(f"--isolation {opts.isolation!r}: one of {', '.join(ISOLATIONS)}")
     if opts.cpus is not None and opts.isolation != "vm":
         raise ApirctlError("--cpus sizes a VM", hint="add --isolation vm, or leave --cpus out")
     if opts.isolation == "vm":
-        if opts.transport not in ("auto", "none", "rpc"):
-            raise ApirctlError(f"--isolation vm remotes with --transport rpc, not --transport {opts.transport}",
-                               hint="use --transport rpc (a backend of its own on the host) or none (the VM's CPU)")
+        if opts.transport not in ("auto", "none", "rpc", "virtgpu"):
+            raise ApirctlError(f"--isolation vm remotes with --transport rpc or virtgpu, not --transport "
+                               f"{opts.transport}", hint="use --transport rpc (a backend of its own on the host), "
+                               "virtgpu (an apir-host of its own) or none (the VM's CPU)")
         if opts.router or opts.restart or opts.gpu_devices:
             raise ApirctlError("--isolation vm serves one model file, without --restart or --gpu-device",
                                hint="serve several models or a restart policy in a container")
-        if opts.transport == "rpc":
+        if opts.transport in ("rpc", "virtgpu"):
             if host.is_macos():
                 raise ApirctlError("--isolation vm is for Linux hosts", hint="on macOS use `--transport virtgpu`")
+            if opts.transport == "virtgpu":
+                return transport.vm_apir_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT)
             return transport.vm_rpc_plan(opts.ngl, vm.GUEST_RPC_ENDPOINT)
         if opts.transport == "auto":
             return _vm_auto(opts)
@@ -182,8 +186,10 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
             plan = transport.with_backend(plan, instance)
         if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
             phase("apir host")
+            if opts.isolation == "vm":  # its guest's resources, ranges of memory both map
+                region = vm.Region.create(vm.APIR_REGION_BYTES)
             apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace,
-                                    respawn=opts.restart not in (None, "no"), mem_cap=opts.memory)
+                                    respawn=opts.restart not in (None, "no"), mem_cap=opts.memory, region=region)
             plan = transport.with_apir_host(plan, apir)
         phase("image")
         image_ref = spec.image_for(opts, plan, progress, api)

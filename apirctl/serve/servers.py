@@ -157,7 +157,7 @@ def _own_apir_hosts(servers: list[Server], listed_all: bool) -> None:
     (a restart policy starts the container again against it), so exited containers count."""
     if not apir_hosts.hosts():
         return
-    existing = servers if listed_all else podman_servers.list_servers(True)
+    existing = servers if listed_all else podman_servers.list_servers(True) + vm.servers(True)
     apir_hosts.clean(apir_hosts.keepers(existing))
 
 

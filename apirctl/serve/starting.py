@@ -188,12 +188,14 @@ def _start_vm(ready: Provisioned) -> Server:
     argv = (ready.spec.entrypoint or rootfs.entrypoint) + ready.spec.command
     labels = dict(ready.spec.labels)
     memory_mb = max(256, (opts.memory or VM_MEMORY_MB << 20) >> 20)
-    instance = ready.instance  # remoting: the VM's backend of its own (provision started it)
+    instance = ready.instance  # remoting: the VM's backend (or apir-host) of its own (provision started it)
     record = vm.VmRecord(name=ready.name, id=secrets.token_hex(32), labels=labels, image=ready.image,
                          port=opts.port, created=time.time(), accel=accel.name, memory_mb=memory_mb,
-                         cpus=opts.cpus or VM_CPUS, rpc_instance=instance.id if instance else "")
+                         cpus=opts.cpus or VM_CPUS, rpc_instance=instance.id if instance else "",
+                         apir_host=ready.apir.id if ready.apir else "")
     clock.phase("vm boot")
-    record = vm.launch(record, boot, rootfs, model.path, argv, rootfs.env, spec.CONTAINER_PORT,
+    env = {**rootfs.env, **ready.plan.environment}  # the transport's: APIR's endpoint in the VM
+    record = vm.launch(record, boot, rootfs, model.path, argv, env, spec.CONTAINER_PORT,
                        publish_ip(opts.host_ip), model_file=model.filename, region=ready.region)
     try:  # (the relay keeps the backend from now on, and ends it with the VM)
         clock.phase("loading model")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, ensure
-from apirctl.vm.region import GUEST_ENV
+from apirctl.vm.region import GUEST_APIR_ENV, GUEST_ENV
 
 KERNEL_PACKAGE = "linux-image-amd64"
 BUSYBOX_PACKAGE = "busybox-static"
@@ -30,7 +30,7 @@ BUSYBOX_PACKAGE = "busybox-static"
 MODULES = ("virtio_pci", "virtio_blk", "virtio_net", "crc32c_generic", "ext4", "virtio_console",
            "vmw_vsock_virtio_transport")
 #: Bumped when the initramfs's contents change, so a cached one is made again.
-LAYOUT = "3"
+LAYOUT = "4"
 #: Guest address, gateway and where the model's disk appears (the second virtio-blk disk).
 GUEST_NET = ("10.0.2.15/24", "10.0.2.2")
 
@@ -58,7 +58,7 @@ done
 for d in /sys/bus/pci/devices/*; do
   [ "$(/bin/busybox cat $d/vendor)" = 0x1af4 ] && [ "$(/bin/busybox cat $d/device)" = 0x1110 ] || continue
   echo 1 > $d/enable 2>/dev/null
-  export @REGION_ENV@=$d/resource2
+  export @REGION_ENV@=$d/resource2 @APIR_REGION_ENV@=$d/resource2
 done
 /bin/busybox mount --move /dev /newroot/dev
 /bin/busybox mount --move /proc /newroot/proc
@@ -196,7 +196,10 @@ def _cpio(entries: list[tuple[str, int, bytes]]) -> bytes:
 def _initramfs(busybox: Path, modules: list[tuple[str, Path]]) -> bytes:
     directory, regular = 0o040755, 0o100755
     addr, gateway = GUEST_NET
-    init = INIT.replace("@ADDR@", addr).replace("@GW@", gateway).replace("@REGION_ENV@", GUEST_ENV)
+    init = INIT
+    for mark, value in (("@ADDR@", addr), ("@GW@", gateway), ("@APIR_REGION_ENV@", GUEST_APIR_ENV),
+                        ("@REGION_ENV@", GUEST_ENV)):
+        init = init.replace(mark, value)
     entries = [("bin", directory, b""), ("modules", directory, b""),
                ("bin/busybox", regular, busybox.read_bytes()), ("init", regular, init.encode()),
                ("modules.order", 0o100644, "\n".join(name for name, _ in modules).encode() + b"\n")]

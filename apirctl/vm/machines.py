@@ -38,7 +38,7 @@ from pydantic import BaseModel, Field
 from apirctl.errors import ApirctlError, tail
 from apirctl.paths import dirs, private_dir
 from apirctl.podman.servers import Server, from_listed
-from apirctl.remoting import backends, supervised
+from apirctl.remoting import apir_hosts, backends, supervised
 from apirctl.vm import accel
 from apirctl.vm.boot import BootFiles
 from apirctl.vm.region import Region
@@ -77,7 +77,13 @@ class VmRecord(BaseModel):
     cpus: int
     command: list[str] = Field(default_factory=list)
     rpc_instance: str = ""  # its backend of its own (remoting), carried by the relay
+    apir_host: str = ""  # or its apir-host of its own (remoting over APIR), carried by the relay
     relay_pid: int = 0
+
+    @property
+    def remoting(self) -> bool:
+        """The guest reaches a host process of its own through its one forwarded address and relay."""
+        return bool(self.rpc_instance or self.apir_host)
 
 
 def root() -> Path:
@@ -164,7 +170,7 @@ def qemu_command(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path,
     if record.port:  # a one-shot program's VM (a benchmark) publishes nothing
         netdev += f",hostfwd=tcp:{host_ip}:{record.port}-:{guest_port}"
     rpc: list[str] = []
-    if record.rpc_instance:  # the one way out of the VM: its backend, through QEMU's chardev socket
+    if record.remoting:  # the one way out of the VM: its backend, through QEMU's chardev socket
         netdev += f",guestfwd=tcp:{GUEST_RPC_ENDPOINT}-chardev:rpc"
         rpc = ["-chardev", f"socket,id=rpc,path={where / RPC_SOCKET},server=on,wait=off"]
         if region is not None:  # and the rings of its transport, in memory the backend maps too
@@ -201,9 +207,9 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
     try:
         cmdline = kernel_command_line(model_file or model.name, argv, env)
         record.command = qemu_command(record, boot, rootfs, model, cmdline, guest_port, host_ip,
-                                      region if record.rpc_instance else None)
+                                      region if record.remoting else None)
         _write(record)
-        inherited = (region.fd,) if region is not None and record.rpc_instance else ()
+        inherited = (region.fd,) if region is not None and record.remoting else ()
         try:
             done = subprocess.run(record.command, capture_output=True, text=True, check=False, timeout=60,
                                   pass_fds=inherited)
@@ -214,12 +220,15 @@ def launch(record: VmRecord, boot: BootFiles, rootfs: RootFs, model: Path, argv:
                                hint=accel.HINT if "kvm" in done.stderr.lower() else "see the line above")
         record.pid = int((where / PIDFILE).read_text().strip())
         _write(record)
-        if record.rpc_instance:
+        if record.remoting:
             (where / RPC_SOCKET).chmod(0o600)  # its folder is 0700 already: the owner's alone, twice
             record.relay_pid = _start_relay(record)
             _write(record)
-            if (instance := backends.get(record.rpc_instance)) is not None:
-                backends.hand_over(instance, record.relay_pid)  # the relay stops it with the VM from now on
+            # the relay stops it with the VM from now on; an apir-host is kept while the VM exists
+            if record.rpc_instance and (instance := backends.get(record.rpc_instance)) is not None:
+                backends.hand_over(instance, record.relay_pid)
+            elif record.apir_host and (host := apir_hosts.get(record.apir_host)) is not None:
+                apir_hosts.attach(host, record.id)
         return record
     except BaseException:
         remove(record.name)
@@ -231,8 +240,9 @@ def _start_relay(record: VmRecord) -> int:
     outlives this serve; when QEMU ends it stops the backend, and when the backend goes it ends QEMU."""
     where = folder(record.name)
     with (where / "relay.log").open("ab") as log:
-        command = [sys.executable, "-m", RELAY_MODULE, "--guest", str(where / RPC_SOCKET),
-                   "--instance", record.rpc_instance, "--vm", record.name, "--qemu-pid", str(record.pid)]
+        backend = ["--instance", record.rpc_instance] if record.rpc_instance else ["--apir-host", record.apir_host]
+        command = [sys.executable, "-m", RELAY_MODULE, "--guest", str(where / RPC_SOCKET), *backend,
+                   "--vm", record.name, "--qemu-pid", str(record.pid)]
         child = subprocess.Popen(command,
                                  stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True)

@@ -24,6 +24,10 @@ closed, so that client would otherwise wait for ever, and a VM without its backe
 is what a container's llama-server does by itself when its backend's socket closes: it ends. `stop`
 then removes the VM's folder; nothing else is left. Notes (sessions, the graphs each computed, and why
 the VM was ended) go into the backend's log.
+
+A VM on APIR (`--transport virtgpu`) has an apir-host of its own instead (`Backend.of_apir_host`). APIR's
+frontend keeps one connection for its process's life, so its stream is not split: the relay pipes it
+to one connection, opened at the guest's first byte, and ends the VM and the host together as above.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from apirctl.remoting import backends, supervised
+from apirctl.remoting import apir_hosts, backends, supervised
 from apirctl.remoting.rpc_client import Command
 from apirctl.vm import machines
 
@@ -54,15 +60,42 @@ NOTE = "--- apirctl relay:"
 DIED_WITHIN = 2.0
 
 
-class Relay:
-    """One VM's relay: the guest stream in, a backend connection per session out. `run` returns why
-    the relay ended the stream itself (the backend went: see the module's docstring), or "" when the
-    stream closed (QEMU ended)."""
+@dataclass(frozen=True)
+class Backend:
+    """What a VM's relay carries the guest's stream to, and how it ends: the VM's backend of its own
+    (ggml-rpc-server, a connection per client session) or its apir-host (one stream)."""
 
-    def __init__(self, guest: socket.socket, instance: backends.Instance) -> None:
+    kind: str  # how `ps -a` names it: "rpc backend", "apir-host"
+    binary: str
+    pid: int
+    socket: Path
+    log: Path
+    sessions: bool  # split the stream at each HELLO (RPC), or pipe it whole (APIR)
+    stop: Callable[[], None]
+
+    @classmethod
+    def of_instance(cls, instance: backends.Instance) -> Backend:
+        return cls("rpc backend", backends.BINARY, instance.pid, instance.socket, Path(instance.log), True,
+                   lambda: backends.stop(instance))
+
+    @classmethod
+    def of_apir_host(cls, host: apir_hosts.Host) -> Backend:
+        return cls("apir-host", apir_hosts.BINARY, apir_hosts.current_pid(host), host.socket, Path(host.log), False,
+                   lambda: apir_hosts.stop(host))
+
+    def running(self) -> bool:
+        return supervised.is_process(self.pid, self.binary)
+
+
+class Relay:
+    """One VM's relay: the guest stream in, a backend connection per session out (or one for the whole
+    stream). `run` returns why the relay ended the stream itself (the backend went: see the module's
+    docstring), or "" when the stream closed (QEMU ended)."""
+
+    def __init__(self, guest: socket.socket, backend: Backend | backends.Instance) -> None:
         self.guest = guest
-        self.instance = instance
-        self.log = Path(instance.log)
+        self.backend = backend if isinstance(backend, Backend) else Backend.of_instance(backend)
+        self.log = self.backend.log
         self.upstream: socket.socket | None = None
         self.pump: threading.Thread | None = None
         self.ending = threading.Event()  # set by the relay before it closes a session itself
@@ -90,11 +123,11 @@ class Relay:
     def _session_dropped(self, session: int) -> None:
         """The backend closed session `session` by itself: it refused what the guest sent, or it died.
         Which one: its process ends within a moment of its sockets closing when it died."""
-        if _wait_gone(self.instance.pid, DIED_WITHIN):
-            self.backend_gone(down(self.instance))
+        if _wait_gone(self.backend, DIED_WITHIN):
+            self.backend_gone(down(self.backend))
         else:
             failure = backends.failure_line(self.log)
-            self.backend_gone(f"rpc backend refused the guest's session {session}: {failure}")
+            self.backend_gone(f"{self.backend.kind} refused the guest's session {session}: {failure}")
 
     def _recv_exact(self, n: int) -> bytes | None:
         data = bytearray()
@@ -143,8 +176,8 @@ class Relay:
             upstream.connect(str(self.server))
         except OSError as exc:
             upstream.close()
-            gone = _wait_gone(self.instance.pid, DIED_WITHIN)
-            self.backend_gone(down(self.instance) if gone else f"rpc backend refused a new session: {exc}")
+            gone = _wait_gone(self.backend, DIED_WITHIN)
+            self.backend_gone(down(self.backend) if gone else f"{self.backend.kind} refused a new session: {exc}")
             return None
         self.sessions += 1
         self.note(f"session {self.sessions} began")
@@ -155,10 +188,12 @@ class Relay:
 
     @property
     def server(self) -> Path:
-        return self.instance.socket
+        return self.backend.socket
 
     def run(self) -> str:
         """Until the guest stream closes (QEMU ended, or `backend_gone` closed it); returns `why`."""
+        if not self.backend.sessions:
+            return self._pipe()
         try:
             while True:
                 header = self._recv_exact(HEADER.size)
@@ -198,25 +233,53 @@ class Relay:
                 self.done.set()
 
 
-def down(instance: backends.Instance) -> str:
+    def _pipe(self) -> str:
+        """The whole stream to one backend connection, opened at the guest's first byte (APIR)."""
+        try:
+            while True:
+                data = self.guest.recv(CHUNK)
+                if not data:
+                    return self.why
+                upstream = self.upstream or self._new_session()
+                if upstream is None:
+                    return self.why
+                try:
+                    upstream.sendall(data)
+                except OSError:  # the backend closed the stream: its answers' thread says why
+                    if self.pump is not None:
+                        self.pump.join(timeout=DIED_WITHIN + 5)
+                    self.backend_gone(self.why or f"{self.backend.kind} dropped the guest's stream")
+                    return self.why
+        except OSError as exc:
+            self.note(f"stream ended: {exc}")
+            return self.why
+        finally:
+            self._end_session()
+            with self._lock:
+                self.done.set()
+
+
+def down(backend: Backend | backends.Instance) -> str:
     """The one line for a VM whose backend died (a container's `ps` says `rpc backend down` too)."""
-    return f"rpc backend down: {backends.BINARY} pid {instance.pid} ended"
+    found = backend if isinstance(backend, Backend) else Backend.of_instance(backend)
+    return f"{found.kind} down: {found.binary} pid {found.pid} ended"
 
 
-def _wait_gone(pid: int, timeout: float) -> bool:
-    """Whether the backend process `pid` ends within `timeout` seconds: a pidfd says so at once; where
+def _wait_gone(backend: Backend, timeout: float) -> bool:
+    """Whether the backend's process ends within `timeout` seconds: a pidfd says so at once; where
     there is none, poll."""
-    if not backends.is_backend_process(pid):
+    pid = backend.pid
+    if not backend.running():
         return True
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
         pidfd = -1
     try:
-        if pidfd >= 0 and not backends.is_backend_process(pid):  # a recycled pid: ours ended before the open
+        if pidfd >= 0 and not backend.running():  # a recycled pid: ours ended before the open
             return True
         deadline = time.monotonic() + timeout
-        while backends.is_backend_process(pid):
+        while backend.running():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -236,7 +299,7 @@ def _watch(relay: Relay) -> None:
     """The backend's death ends the VM even while no session is open (the guest idle, or not yet up).
     One pidfd, polled in slices of a second so that the relay's own end is seen too; without pidfds,
     `_wait_gone` polls the process."""
-    pid = relay.instance.pid
+    pid = relay.backend.pid
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
@@ -247,22 +310,22 @@ def _watch(relay: Relay) -> None:
             poller.register(pidfd, select.POLLIN)
         while not relay.done.is_set():
             # a recycled pid (ours ended before the open) is not our backend: gone as well
-            gone = not backends.is_backend_process(pid) or (
-                bool(poller.poll(1000)) if pidfd >= 0 else _wait_gone(pid, 1.0))
+            gone = not relay.backend.running() or (
+                bool(poller.poll(1000)) if pidfd >= 0 else _wait_gone(relay.backend, 1.0))
             if gone:
-                relay.backend_gone(down(relay.instance))
+                relay.backend_gone(down(relay.backend))
                 return
     finally:
         if pidfd >= 0:
             os.close(pidfd)
 
 
-def serve_vm(guest: socket.socket, instance: backends.Instance, vm: str) -> str:
+def serve_vm(guest: socket.socket, backend: Backend | backends.Instance, vm: str) -> str:
     """The relay's life for VM `vm`: relay its guest stream to `instance` until one of the two ends,
     then end the other. QEMU ended: the backend is stopped. The backend died or refused the guest's
     bytes: the VM is ended (`machines.end`, with the reason `ps -a` shows), then the backend stopped.
     Returns that reason ("" when QEMU ended first)."""
-    relay = Relay(guest, instance)
+    relay = Relay(guest, backend)
     threading.Thread(target=_watch, args=(relay,), daemon=True).start()
     why = ""
     try:
@@ -270,15 +333,15 @@ def serve_vm(guest: socket.socket, instance: backends.Instance, vm: str) -> str:
     finally:
         if not why:  # QEMU closed the stream: it is exiting by itself (its program ended, or a stop)
             machines.wait_gone(vm, machines.STOP_TIMEOUT)
-        _end_both(vm, instance, why or "its relay ended")
+        _end_both(vm, relay.backend, why or "its relay ended")
     return why
 
 
-def _end_both(vm: str, instance: backends.Instance, why: str) -> None:
+def _end_both(vm: str, backend: Backend, why: str) -> None:
     """The one place a VM and its backend end together: the VM (a no-op when QEMU has ended already,
     else ended with `why`), then the backend (process, socket directory, record and log)."""
     machines.end(vm, why)
-    backends.stop(instance)
+    backend.stop()
 
 
 def _running(pid: int) -> bool:
@@ -304,13 +367,20 @@ def _connect(path: Path, qemu_pid: int, timeout: float) -> socket.socket:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="apirctl.vm.relay")
     parser.add_argument("--guest", required=True, type=Path, help="QEMU's chardev socket of the guest stream")
-    parser.add_argument("--instance", required=True, help="the VM's backend (its record's id)")
+    owner = parser.add_mutually_exclusive_group(required=True)
+    owner.add_argument("--instance", help="the VM's rpc backend (its record's id)")
+    owner.add_argument("--apir-host", help="the VM's apir-host (its record's id)")
     parser.add_argument("--vm", required=True, help="the VM's name (its folder)")
     parser.add_argument("--qemu-pid", required=True, type=int, help="the VM's QEMU")
     args = parser.parse_args(argv)
-    instance = backends.get(args.instance)  # serve hands it over to this process: kept while it runs
-    if instance is None:
-        machines.end(args.vm, "rpc backend gone before its relay started")
+    # serve hands it over to this process (an rpc backend), or attaches it to the VM (an apir-host)
+    backend: Backend | None = None
+    if args.instance and (instance := backends.get(args.instance)) is not None:
+        backend = Backend.of_instance(instance)
+    elif args.apir_host and (host := apir_hosts.get(args.apir_host)) is not None:
+        backend = Backend.of_apir_host(host)
+    if backend is None:
+        machines.end(args.vm, f"{'rpc backend' if args.instance else 'apir-host'} gone before its relay started")
         return 1
     guest = None
     why = "its relay ended"
@@ -320,11 +390,11 @@ def main(argv: list[str] | None = None) -> int:
         why = f"no guest stream at {args.guest}: {exc}"
     finally:
         if guest is None:  # (a SIGTERM as well): the VM and its backend end here
-            _end_both(args.vm, instance, why)
+            _end_both(args.vm, backend, why)
     if guest is None:
         return 1
     with guest:
-        serve_vm(guest, instance, args.vm)
+        serve_vm(guest, backend, args.vm)
     return 0
 
 

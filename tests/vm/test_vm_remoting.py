@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 
 from apirctl.errors import ApirctlError
-from apirctl.remoting import backends, rpc_client, rpc_server
+from apirctl.remoting import apir_hosts, backends, rpc_client, rpc_server, supervised
 from apirctl.serve import options
 from apirctl.serve.provision import local_plan
 from apirctl.vm import accel, boot, machines, relay
-from apirctl.vm.region import HOST_ENV, REGION_BYTES, Region
+from apirctl.vm.region import APIR_REGION_BYTES, HOST_ENV, REGION_BYTES, Region
 from apirctl.vm.relay import Relay
 from apirctl.vm.rootfs import RootFs
 from tests.remoting.test_shm_native import RING0_HEAD, SHM_CAPS_MAGIC, hello
@@ -53,9 +53,19 @@ def test_the_serve_planner_gives_a_remoting_vm_a_backend_of_its_own_at_the_one_f
     assert plan.llama_args[:2] == ["--rpc", machines.GUEST_RPC_ENDPOINT]
     assert not plan.network_mode and not plan.devices  # nothing of a container's wiring
     assert local_plan(options("smollm2", isolation="vm", transport="none")).transport == "none"
-    for refused in ("virtgpu", "gpu"):
-        with pytest.raises(ApirctlError, match="remotes with --transport rpc"):
-            local_plan(options("smollm2", isolation="vm", transport=refused))
+    with pytest.raises(ApirctlError, match="remotes with --transport rpc or virtgpu"):
+        local_plan(options("smollm2", isolation="vm", transport="gpu"))
+
+
+def test_the_serve_planner_gives_an_apir_vm_an_apir_host_of_its_own_at_the_one_forwarded_address(
+        vm_build: object) -> None:
+    """APIR in a VM: an apir-host of its own, which the guest's frontend dials over TCP at the one forwarded
+    address, its buffers in the host backend's memory (the region holds the transfers, not the weights)."""
+    plan = local_plan(options("smollm2", isolation="vm", transport="virtgpu"))
+    assert plan.transport == "virtgpu" and plan.needs_apir_host and not plan.needs_backend
+    assert plan.environment == {"GGML_VIRTGPU_SOCKET": f"tcp:{machines.GUEST_RPC_ENDPOINT}",
+                                "GGML_VIRTGPU_SHARED_BUFFERS": "0"}
+    assert not plan.network_mode and not plan.devices and not plan.mounts
 
 
 def test_auto_in_a_vm_picks_remoting_where_it_is_faster_and_says_why(vm_build: object, tmp_path: Path,
@@ -361,6 +371,48 @@ def test_garbage_in_one_vms_shared_memory_ends_that_vm_alone(
             backends.stop(instance.id)
     for name, (instance, _) in started.items():
         assert not machines.folder(name).exists() and _gone(instance)
+
+
+@needs_qemu
+def test_garbage_on_an_apir_vms_stream_ends_that_vm_and_its_apir_host(
+        vm_build: object, idle_guest: tuple[boot.BootFiles, RootFs], podman: str) -> None:
+    """A VM on APIR: its apir-host (with the VM's 256 MiB region) is kept while the VM exists, its relay
+    pipes the one stream (no session split), and a message the host refuses ends the VM and the host,
+    with the host's own line as the reason."""
+    files, rootfs = idle_guest
+    record = _record("vm-apir", port=free_port()).model_copy(update={"rpc_instance": ""})
+    with Region.create(APIR_REGION_BYTES) as region:
+        host = apir_hosts.start(vm_build, "vm-apir", region=region)  # type: ignore[arg-type]
+        try:
+            record.apir_host = host.id
+            record = machines.launch(record, files, rootfs, rootfs.path, ["/bin/true"], {}, 8000, "127.0.0.1",
+                                     region=region)
+        except BaseException:
+            apir_hosts.stop(host)
+            raise
+    try:
+        assert apir_hosts.get(host.id).container == record.id  # type: ignore[union-attr]  # kept by the VM
+        (memory,) = _option(record.command, "-object")
+        assert f"size={APIR_REGION_BYTES}," in memory
+        assert "a region of 256 MiB shared with the client" in Path(host.log).read_text()
+        guest, end = socket.socketpair()
+        guest.settimeout(30)
+        ended: list[str] = []
+        stream = threading.Thread(
+            target=lambda: ended.append(relay.serve_vm(end, relay.Backend.of_apir_host(host), "vm-apir")), daemon=True)
+        stream.start()
+        guest.sendall(struct.pack("<IIIIQ", 0x31535041, 99, 0, 0, 0))  # APS1, an unknown message type
+        assert _closed(guest)
+        stream.join(timeout=30)
+        assert len(ended) == 1 and ended[0].startswith("apir-host refused the guest's session 1"), ended
+        assert "unknown message type 99" in ended[0]
+        wait_for("the VM's QEMU to end", lambda: not machines.alive(record), timeout=30)
+        wait_for("its apir-host to be gone", lambda: apir_hosts.get(host.id) is None, timeout=30)
+        assert not supervised.is_process(host.pid, apir_hosts.BINARY)
+    finally:
+        machines.remove(record.name)
+        apir_hosts.stop(host.id)
+    assert not machines.folder(record.name).exists() and not Path(host.directory).exists()
 
 
 @needs_qemu

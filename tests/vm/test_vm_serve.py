@@ -24,7 +24,8 @@ import httpx
 import pytest
 
 from apirctl import config
-from apirctl.remoting import backends
+from apirctl.apir import trace as apir_trace
+from apirctl.remoting import apir_hosts, backends, supervised
 from apirctl.vm import accel, machines
 from tests.support.model_sources import ollama_store
 from tests.support.ports import free_port
@@ -204,4 +205,42 @@ def test_a_vm_with_remoting_computes_on_its_own_host_backend_and_leaves_nothing(
     finally:
         cli("stop", first)
         cli("stop", second)
+        cli("stop", box)
+
+
+def test_a_vm_on_apir_computes_on_its_own_apir_host_through_its_shared_memory_and_leaves_nothing(
+        podman: str, vm_image: str, demo_model: Path, vm_build: object) -> None:
+    """`--transport virtgpu` in a VM: the guest's APIR frontend reaches an apir-host of its own through
+    the one forwarded address, its resources ranges of the VM's shared memory (llama_patches/ 0025); its
+    greedy tokens equal a container's on its own CPU; ps lists it as virtgpu; stop leaves no QEMU, relay,
+    apir-host, record or folder."""
+    tag = uuid.uuid4().hex[:6]
+    name, box = f"vm-apir-{tag}", f"ct-apir-{tag}"
+    try:
+        served = serve_vm(demo_model, name, "--transport", "virtgpu", "--apir-trace")
+        assert served["transport"] == "virtgpu" and served["isolation"] == "vm" and served["health"] == "ok"
+        record = machines._read(name)
+        assert record is not None and record.apir_host and not record.rpc_instance
+        host = apir_hosts.get(record.apir_host)
+        assert host is not None and host.container == record.id and machines.relay_alive(record)
+        container = cli("serve", str(demo_model), "--transport", "none", "--name", box, "--port",
+                        str(free_port()), "--ctx-size", "512", "--json")
+        assert container.returncode == 0, container.stderr
+        assert greedy_tokens(str(served["url"])) == greedy_tokens(json.loads(container.stdout)["url"])
+        log = Path(host.log).read_text(errors="replace")
+        assert "a region of 256 MiB shared with the client" in log, log[-2000:]
+        # the graphs were computed by the apir-host: its trace of the guest's commands
+        assert host.trace is not None
+        names = [r.name for r in apir_trace.read(Path(host.trace).read_bytes())]
+        assert sum(n in ("ext_graph_run", "ext_graph_delta", "backend_graph_compute") for n in names) >= 8, names[-20:]
+        listed = {s["name"]: s for s in ps()}
+        assert listed[name]["transport"] == "virtgpu" and listed[name]["health"] == "ok"
+        assert cli("stop", name).returncode == 0
+        wait_for("the VM's host processes to end",
+                 lambda: not (machines.alive(record) or machines.relay_alive(record)
+                              or apir_hosts.get(record.apir_host) is not None
+                              or supervised.is_process(host.pid, apir_hosts.BINARY)), timeout=30)
+        assert not machines.folder(name).exists() and not Path(host.directory).exists()
+    finally:
+        cli("stop", name)
         cli("stop", box)
