@@ -152,7 +152,8 @@ def serve(
     isolation: str = typer.Option(
         None, "--isolation", metavar="KIND",
         help="container (default) or vm: llama-server of the same image in a QEMU micro-VM that apirctl starts "
-        "(KVM; --memory and --cpus size it; --transport rpc computes on a backend of its own on the host). "
+        "(KVM; --memory and --cpus size it; --transport rpc or virtgpu computes on a backend or an apir-host of "
+        "its own on the host, through memory the VM shares with it). "
         "Default: the isolation setting.", show_default=False,
     ),
     cpus: int = typer.Option(None, "--cpus", min=1, help="vm isolation: the VM's virtual CPUs (default 2)."),

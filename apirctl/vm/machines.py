@@ -11,7 +11,8 @@ the server's port is forwarded from 127.0.0.1 only by QEMU's user network, which
 (the guest reaches nothing outside). The kernel's command line carries llama-server's arguments
 to the initramfs's init (`boot`).
 
-A VM served with remoting (`rpc_instance`: its backend of its own, `apirctl.remoting.backends`)
+A VM served with remoting (`rpc_instance`: its backend of its own, `apirctl.remoting.backends`; or
+`apir_host`: its apir-host of its own, `apirctl.remoting.apir_hosts`)
 reaches that one backend and nothing else: the restricted network's single `guestfwd` sends the
 guest's connections to `GUEST_RPC` into a QEMU chardev, a Unix socket in the VM's folder (0700; the
 socket 0600), which the VM's relay (`relay`) carries to the backend's socket, a session at a time.
