@@ -1,4 +1,4 @@
-"""Benchmarks: llama-bench in each mode (native, remoting, container, apir, vm-cpu, vm-remoting) and
+"""Benchmarks: llama-bench in each mode (native, remoting, container, apir, vm-cpu, vm-remoting, vm-apir) and
 serving load.
 
 `apirctl.bench.modes` runs llama-bench and builds the comparison rows, `llamabench`
@@ -10,4 +10,4 @@ only parses flags and prints.
 
 from __future__ import annotations
 
-MODES = ("native", "remoting", "container", "apir", "vm-cpu", "vm-remoting")
+MODES = ("native", "remoting", "container", "apir", "vm-cpu", "vm-remoting", "vm-apir")

@@ -21,10 +21,11 @@ and reads its output, so both commands share one definition of each mode.
   in a container with no network (the virtgpu transport's wiring), or with the host client the
   host build's own llama-bench with `GGML_VIRTGPU_SOCKET` and its local GPUs hidden. On macOS the
   remoting mode is APIR already.
-- vm-cpu, vm-remoting (Linux): llama-bench in a micro-VM of its own booted from the inference image
-  (`apirctl.vm`, on KVM where it runs guests, else emulated): on the VM's own CPU, or through a
-  backend of its own on the host, reached by the VM's one way out (its relay). The seeds' Lima
-  comparison: a VM without a GPU, on its CPU and through remoting, against native.
+- vm-cpu, vm-remoting, vm-apir (Linux): llama-bench in a micro-VM of its own booted from the inference
+  image (`apirctl.vm`, on KVM where it runs guests, else emulated): on the VM's own CPU, or through a
+  backend (vm-remoting) or an apir-host (vm-apir) of its own on the host, reached by the VM's one way
+  out (its relay) and the memory it shares with it. The seeds' Lima comparison: a VM without a GPU,
+  on its CPU and through remoting, against native.
 
 A mode that cannot run here (no build, no image, no remoting backend) becomes rows
 with a `skipped_reason` and the others still run; a llama-bench that runs and fails is
@@ -40,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from apirctl import config, gpu, host, models, vm
 from apirctl.bench import MODES, system
@@ -399,11 +400,12 @@ VM_TIMEOUT = 3600.0
 VM_MEMORY_MB = 2048
 
 
-def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
+def run_in_vm(ctx: Context[R], mode: str, remoting: Literal["", "rpc", "apir"]) -> ModeOutcome[R]:
     """The program in a micro-VM of its own (`apirctl.vm`, as `serve --isolation vm` boots one), from the
     inference image, the model its second disk: on the VM's own CPU (vm-cpu), or with its graphs
-    computed by a backend of its own on the host (vm-remoting, rpc through the VM's relay). The VM
-    publishes nothing; the program's end powers it off, and its console holds the results."""
+    computed on the host by a backend of its own (vm-remoting, rpc) or an apir-host of its own
+    (vm-apir), reached through the VM's relay and the memory it shares with it. The VM publishes
+    nothing; the program's end powers it off, and its console holds the results."""
     if host.is_macos():
         raise Skipped("the VM modes run on Linux (on macOS the containers run in a VM already)")
     if ctx.program.mounts():
@@ -415,6 +417,8 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
         native = build is not None and build.options is not None and build.options.native
         if problem := vm.build_problem(accel, native):
             raise Skipped(f"{problem} ({vm.BUILD_HINT})")
+        if remoting == "apir" and (problem := transport.apir_problem(_host_build(), build)):
+            raise Skipped(f"APIR cannot run here: {problem}")
         boot = vm.ensure_boot_files()
         rootfs = vm.ensure_rootfs(tag)
     except ApirctlError as exc:
@@ -424,12 +428,20 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     folder = str(PurePosixPath(rootfs.entrypoint[0]).parent) if rootfs.entrypoint else ""
     executable = f"{folder}/{program.executable}" if folder.startswith("/") else program.executable
     filename = ctx.filename or ctx.model_path.name
-    extra = ["--rpc", vm.GUEST_RPC_ENDPOINT] if remoting else []
+    extra = ["--rpc", vm.GUEST_RPC_ENDPOINT] if remoting == "rpc" else []
     argv = [executable, *program.arguments(f"/models/{filename}", mode, True, extra=extra)]
+    env = dict(rootfs.env)
     name = f"bench-{new_id()}"
-    region = vm.Region.create() if remoting else None
+    region = None
+    if remoting:  # the memory the VM shares with its host process: RPC's rings, or APIR's resources
+        region = vm.Region.create(vm.APIR_REGION_BYTES) if remoting == "apir" else vm.Region.create()
+    instance = apir = None
     try:
-        instance = rpc_server.start_own_backend(name, region=region) if remoting else None
+        if remoting == "rpc":
+            instance = rpc_server.start_own_backend(name, region=region)
+        elif remoting == "apir":
+            apir = apir_hosts.start(_host_build(), name, region=region)
+            env |= transport.vm_apir_plan(program.ngl, vm.GUEST_RPC_ENDPOINT).environment
     except BaseException:
         if region is not None:
             region.close()
@@ -437,11 +449,12 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
     record = vm.VmRecord(name=name, id=secrets.token_hex(32), labels={"apirctl.role": "bench",
                          "apirctl.bench.mode": mode}, image=tag, port=0, created=time.time(), accel=accel.name,
                          memory_mb=max(VM_MEMORY_MB, (ctx.model_path.stat().st_size >> 20) + 1024),
-                         cpus=os.cpu_count() or 1, rpc_instance=instance.id if instance else "")
+                         cpus=os.cpu_count() or 1, rpc_instance=instance.id if instance else "",
+                         apir_host=apir.id if apir else "")
     try:
-        record = vm.launch(record, boot, rootfs, ctx.model_path, argv, rootfs.env, 0, "", model_file=filename,
+        record = vm.launch(record, boot, rootfs, ctx.model_path, argv, env, 0, "", model_file=filename,
                            region=region)
-        instance = None  # the VM's relay owns it now, and stops it with the VM
+        instance = apir = None  # the VM's relay owns them now, and stops them with the VM
         reader = program.reader(ctx.progress(mode))
         console = vm.follow_to_end(record, VM_TIMEOUT, on_line=reader.feed)
         why = vm.ended(record.name)
@@ -449,26 +462,35 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: bool) -> ModeOutcome[R]:
         vm.remove(record.name)
         if instance is not None:
             backends.stop(instance)
+        if apir is not None:
+            apir_hosts.stop(apir)
         if region is not None:
             region.close()
     results = program.parse_output(console)
     if not results:  # (a relay notes why it ended the VM also when QEMU was already on its way out)
         raise ApirctlError(f"{program.executable} in the VM gave no results{' (ended: ' + why + ')' if why else ''}: "
                            f"{reader.tail_text() or 'no output'}")
+    if remoting == "apir":  # its resources are ranges of the VM's shared memory (llama_patches/ 0025)
+        return ModeOutcome(mode, results, backend=_backend_label(results, "virtgpu", apir=True), client="vm",
+                           transport="virtgpu-vm-region")
     # the guest's rings in the VM's shared memory (llama_patches/ 0024: its llama.cpp says so), or every
     # byte through the relay
     in_region = backends.SHM_LOG_LINE in console
-    transport = ("rpc-vm-region" if in_region else "rpc-vm-relay") if remoting else None
+    label = ("rpc-vm-region" if in_region else "rpc-vm-relay") if remoting else None
     return ModeOutcome(mode, results, backend=_backend_label(results, "rpc" if remoting else "cpu"), client="vm",
-                       transport=transport)
+                       transport=label)
 
 
 def run_vm_cpu(ctx: Context[R]) -> ModeOutcome[R]:
-    return run_in_vm(ctx, "vm-cpu", remoting=False)
+    return run_in_vm(ctx, "vm-cpu", remoting="")
 
 
 def run_vm_remoting(ctx: Context[R]) -> ModeOutcome[R]:
-    return run_in_vm(ctx, "vm-remoting", remoting=True)
+    return run_in_vm(ctx, "vm-remoting", remoting="rpc")
+
+
+def run_vm_apir(ctx: Context[R]) -> ModeOutcome[R]:
+    return run_in_vm(ctx, "vm-apir", remoting="apir")
 
 
 RUNNERS: dict[str, Callable[[Context[Any]], ModeOutcome[Any]]] = {
@@ -478,6 +500,7 @@ RUNNERS: dict[str, Callable[[Context[Any]], ModeOutcome[Any]]] = {
     "apir": run_apir,
     "vm-cpu": run_vm_cpu,
     "vm-remoting": run_vm_remoting,
+    "vm-apir": run_vm_apir,
 }
 
 

@@ -95,6 +95,7 @@ SERVED_MODES: dict[str, dict[str, str | None]] = {
     "container": {"transport": "none", "isolation": "container"},
     "vm-cpu": {"transport": "none", "isolation": "vm"},
     "vm-remoting": {"transport": None, "isolation": "vm"},
+    "vm-apir": {"transport": "virtgpu", "isolation": "vm"},
 }
 DEFAULT_MODES = ("remoting",)
 

@@ -18,8 +18,9 @@ HELP = (
     "- container: llama-bench in the container without remoting (CPU);\n"
     "- apir (Linux, not run unless named): the ggml-virtgpu frontend (APIR) against an apir-host of its own on a "
     "private socket, in a container without network (or, with --client host, the host's llama-bench);\n"
-    "- vm-cpu, vm-remoting (Linux, not run unless named): llama-bench in a micro-VM booted from the image, "
-    "on the VM's own CPU, and with its graphs computed on the host through a backend of its own.\n\n"
+    "- vm-cpu, vm-remoting, vm-apir (Linux, not run unless named): llama-bench in a micro-VM booted from the "
+    "image, on the VM's own CPU, and with its graphs computed on the host by a backend (RPC) or an apir-host "
+    "(APIR) of its own.\n\n"
     "A mode that cannot run here is shown as skipped with the reason. Results are saved: see "
     "`apirctl bench history` and `apirctl bench compare ID ID`.\n\n"
     "apirctl bench --url URL (or `--serving` for the running apirctl server) drives an "
@@ -64,9 +65,9 @@ def bench(
     model: str = typer.Argument(None, help="Model: alias (smollm2), GGUF path, hf://, ollama://, https://."),
     modes: str = typer.Option("native,remoting,container", "--modes",
                               help="Comma-separated modes to run, in order: native, remoting, container, apir, "
-                                   "vm-cpu, vm-remoting (a micro-VM on its own CPU, and through remoting). "
-                                   "With MODEL --serving: native and any of remoting, container, vm-cpu, "
-                                   "vm-remoting [default there: native,remoting]."),
+                                   "vm-cpu, vm-remoting, vm-apir (a micro-VM on its own CPU, through RPC, and "
+                                   "through APIR). With MODEL --serving: native and any of remoting, container, "
+                                   "vm-cpu, vm-remoting, vm-apir [default there: native,remoting]."),
     pp: int = typer.Option(512, "--pp", help="Prompt tokens for the prompt-processing test (0: skip it)."),
     tg: int = typer.Option(128, "--tg", help="Tokens to generate for the generation test (0: skip it)."),
     reps: int = typer.Option(5, "--reps", "-r", help="Repetitions of each test (mean and std over them)."),

@@ -23,12 +23,12 @@ pytestmark = vm_marks
 
 def test_bench_runs_llama_bench_in_a_vm_on_its_cpu_and_through_remoting_and_leaves_nothing(
         podman: str, vm_image: str, demo_model: Path, vm_build: object) -> None:  # noqa: F811
-    done = cli("bench", str(demo_model), "--modes", "native,vm-cpu,vm-remoting", "--reps", "1", "--pp", "16",
-               "--tg", "4", "--json")
+    done = cli("bench", str(demo_model), "--modes", "native,vm-cpu,vm-remoting,vm-apir", "--reps", "1", "--pp",
+               "16", "--tg", "4", "--json")
     assert done.returncode == 0, done.stderr
     run = json.loads(done.stdout)
     rows = {(r["mode"], r["test"]): r for r in run["rows"]}
-    for mode in ("native", "vm-cpu", "vm-remoting"):
+    for mode in ("native", "vm-cpu", "vm-remoting", "vm-apir"):
         for test in ("pp16", "tg4"):
             row = rows[(mode, test)]
             assert row["skipped_reason"] is None and row["tps_mean"] > 0, row
@@ -38,6 +38,10 @@ def test_bench_runs_llama_bench_in_a_vm_on_its_cpu_and_through_remoting_and_leav
         assert "RPC" not in (cpu["backend"] or "")  # the VM's own CPU
         # the rings of its transport in the VM's shared memory (llama_patches/ 0024)
         assert "RPC" in (remoting["backend"] or "") and remoting["transport"] == "rpc-vm-region"
+        # APIR: an apir-host of its own, the frontend's resources in the VM's shared memory (0025)
+        apir = rows[("vm-apir", test)]
+        assert apir["client"] == "vm" and "virtgpu" in (apir["backend"] or "")
+        assert apir["transport"] == "virtgpu-vm-region"
     assert run["system"]["extra"]["vm"].split(":")[0] in ("kvm", "tcg")
     left = [r.name for r in machines.records() if r.labels.get("apirctl.role") == "bench"]
     assert left == []
@@ -63,6 +67,6 @@ def test_a_remoting_vm_whose_program_ends_is_not_noted_as_ended_by_its_relay(
 
     monkeypatch.setattr(vm, "remove", noting_remove)
     ctx = modes.Context(model_path=demo_model, program=LlamaBench(Params(pp=8, tg=2, reps=1, ngl=99)))
-    outcome = modes.run_in_vm(ctx, "vm-remoting", remoting=True)
+    outcome = modes.run_in_vm(ctx, "vm-remoting", remoting="rpc")
     assert outcome.results and outcome.backend and "RPC" in outcome.backend
     assert list(noted.values()) == [""]
