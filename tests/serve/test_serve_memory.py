@@ -156,7 +156,7 @@ def test_serve_gives_the_limit_to_the_container_and_to_its_own_backend(tmp_path:
     started: list[tuple[str, int | None]] = []
     stopped: list[object] = []
     monkeypatch.setattr(rpc_server, "start_own_backend",
-                        lambda name, memory_limit=None: started.append((name, memory_limit)) or instance)
+                        lambda name, memory_limit=None, region=None: started.append((name, memory_limit)) or instance)
     monkeypatch.setattr(backends, "stop", stopped.append)
     api = _Refusing()
     opts = serve.options("m", transport="rpc", name="apirctl-mem", image="img", memory="768m")
@@ -179,7 +179,7 @@ def test_without_the_flag_neither_gets_a_limit(tmp_path: Path, monkeypatch: pyte
     instance = backends.Instance(id="0123abcd", pid=0, directory=str(tmp_path / "d"), log=str(tmp_path / "l"),
                                  started_at=0.0)
     monkeypatch.setattr(rpc_server, "start_own_backend",
-                        lambda name, memory_limit=None: started.append(memory_limit) or instance)
+                        lambda name, memory_limit=None, region=None: started.append(memory_limit) or instance)
     monkeypatch.setattr(backends, "stop", lambda _i: None)
     api = _Refusing()
     with containers.use(api), pytest.raises(ApirctlError):

@@ -84,7 +84,7 @@ def rpc_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[obj
     started: list[object] = []
     stopped: list[object] = []
     monkeypatch.setattr(rpc_server, "start_own_backend",
-                        lambda name, memory_limit=None: started.append(name) or instance)
+                        lambda name, memory_limit=None, region=None: started.append(name) or instance)
     monkeypatch.setattr(backends, "stop", stopped.append)
     return started, stopped
 
