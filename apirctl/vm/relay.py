@@ -192,38 +192,8 @@ class Relay:
 
     def run(self) -> str:
         """Until the guest stream closes (QEMU ended, or `backend_gone` closed it); returns `why`."""
-        if not self.backend.sessions:
-            return self._pipe()
         try:
-            while True:
-                header = self._recv_exact(HEADER.size)
-                if header is None:
-                    return self.why
-                cmd, size = HEADER.unpack(header)
-                upstream = self.upstream
-                if cmd == Command.HELLO or upstream is None:
-                    upstream = self._new_session()
-                    if upstream is None:
-                        return self.why
-                self.counts[cmd] += 1
-                if cmd in GRAPHS and self.counts[cmd] == 1:
-                    self.note(f"session {self.sessions}: first {Command(cmd).name} (graphs computed here)")
-                left = size
-                data = header
-                while True:
-                    try:
-                        upstream.sendall(data)
-                    except OSError:  # the backend closed this session: its answers' thread says why
-                        if self.pump is not None:
-                            self.pump.join(timeout=DIED_WITHIN + 5)
-                        self.backend_gone(self.why or f"rpc backend dropped session {self.sessions}")
-                        return self.why
-                    if not left:
-                        break
-                    data = self.guest.recv(min(left, CHUNK))
-                    if not data:
-                        return self.why
-                    left -= len(data)
+            return self._sessions() if self.backend.sessions else self._pipe()
         except OSError as exc:
             self.note(f"stream ended: {exc}")
             return self.why
@@ -232,32 +202,53 @@ class Relay:
             with self._lock:
                 self.done.set()
 
+    def _forward(self, upstream: socket.socket, data: bytes) -> bool:
+        """`data` to the backend; False when the backend closed the connection (its answers' thread says why)."""
+        try:
+            upstream.sendall(data)
+            return True
+        except OSError:
+            if self.pump is not None:
+                self.pump.join(timeout=DIED_WITHIN + 5)
+            self.backend_gone(self.why or f"{self.backend.kind} dropped session {self.sessions}")
+            return False
+
+    def _sessions(self) -> str:
+        """A backend connection per client session, split at each HELLO (RPC)."""
+        while True:
+            header = self._recv_exact(HEADER.size)
+            if header is None:
+                return self.why
+            cmd, size = HEADER.unpack(header)
+            upstream = self.upstream
+            if cmd == Command.HELLO or upstream is None:
+                upstream = self._new_session()
+                if upstream is None:
+                    return self.why
+            self.counts[cmd] += 1
+            if cmd in GRAPHS and self.counts[cmd] == 1:
+                self.note(f"session {self.sessions}: first {Command(cmd).name} (graphs computed here)")
+            left = size
+            data = header
+            while True:
+                if not self._forward(upstream, data):
+                    return self.why
+                if not left:
+                    break
+                data = self.guest.recv(min(left, CHUNK))
+                if not data:
+                    return self.why
+                left -= len(data)
 
     def _pipe(self) -> str:
         """The whole stream to one backend connection, opened at the guest's first byte (APIR)."""
-        try:
-            while True:
-                data = self.guest.recv(CHUNK)
-                if not data:
-                    return self.why
-                upstream = self.upstream or self._new_session()
-                if upstream is None:
-                    return self.why
-                try:
-                    upstream.sendall(data)
-                except OSError:  # the backend closed the stream: its answers' thread says why
-                    if self.pump is not None:
-                        self.pump.join(timeout=DIED_WITHIN + 5)
-                    self.backend_gone(self.why or f"{self.backend.kind} dropped the guest's stream")
-                    return self.why
-        except OSError as exc:
-            self.note(f"stream ended: {exc}")
-            return self.why
-        finally:
-            self._end_session()
-            with self._lock:
-                self.done.set()
-
+        while True:
+            data = self.guest.recv(CHUNK)
+            if not data:
+                return self.why
+            upstream = self.upstream or self._new_session()
+            if upstream is None or not self._forward(upstream, data):
+                return self.why
 
 def down(backend: Backend | backends.Instance) -> str:
     """The one line for a VM whose backend died (a container's `ps` says `rpc backend down` too)."""

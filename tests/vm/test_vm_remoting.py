@@ -9,6 +9,7 @@ listener, and only a booted guest writes into it)."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -20,6 +21,7 @@ import stat
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -273,6 +275,24 @@ def _launch(name: str, memory: int, files: boot.BootFiles,
     return instance, record
 
 
+@contextlib.contextmanager
+def _vms(memories: dict[str, int], files: boot.BootFiles,
+         rootfs: RootFs) -> Iterator[dict[str, tuple[backends.Instance, machines.VmRecord]]]:
+    """Remoting VMs launched as serve launches them (`_launch`), named by `memories`; afterwards each is
+    removed, and nothing of it (folder, backend) may be left."""
+    started: dict[str, tuple[backends.Instance, machines.VmRecord]] = {}
+    try:
+        for name, memory in memories.items():
+            started[name] = _launch(name, memory, files, rootfs)
+        yield started
+    finally:
+        for name, (instance, _) in started.items():
+            machines.remove(name)
+            backends.stop(instance.id)
+    for name, (instance, _) in started.items():
+        assert not machines.folder(name).exists() and _gone(instance)
+
+
 @needs_qemu
 def test_two_remoting_vms_keep_a_backend_each_and_garbage_on_one_stream_ends_that_vm_alone(
         vm_build: object, idle_guest: tuple[boot.BootFiles, RootFs], podman: str) -> None:
@@ -282,10 +302,7 @@ def test_two_remoting_vms_keep_a_backend_each_and_garbage_on_one_stream_ends_tha
     leaves nothing of A; VM B, its relay and its backend run on, and B's backend answers."""
     from apirctl import serve
 
-    started: dict[str, tuple[backends.Instance, machines.VmRecord]] = {}
-    try:
-        for name, memory in (("vm-a", GIB), ("vm-b", 2 * GIB)):
-            started[name] = _launch(name, memory, *idle_guest)
+    with _vms({"vm-a": GIB, "vm-b": 2 * GIB}, *idle_guest) as started:
         (a, vm_a), (b, vm_b) = started["vm-a"], started["vm-b"]
         assert a.id != b.id and a.pid != b.pid and a.socket != b.socket and vm_a.relay_pid != vm_b.relay_pid
         assert _environ(a.pid)[backends.SHM_CAP_ENV] == str(GIB)
@@ -316,12 +333,6 @@ def test_two_remoting_vms_keep_a_backend_each_and_garbage_on_one_stream_ends_tha
         assert _answers(b) >= 1  # B's backend answers HELLO and the device count
         assert serve.stop("vm-a") == ["vm-a"] and not machines.folder("vm-a").exists()
         assert machines.alive(vm_b) and _answers(b) >= 1
-    finally:
-        for name, (instance, _) in started.items():
-            machines.remove(name)
-            backends.stop(instance.id)
-    for name, (instance, _) in started.items():
-        assert not machines.folder(name).exists() and _gone(instance)
 
 
 def _qemus_region(record: machines.VmRecord) -> mmap.mmap:
@@ -342,10 +353,7 @@ def test_garbage_in_one_vms_shared_memory_ends_that_vm_alone(
     into it (written here into QEMU's own mapping of the region, as the guest's would land): A's backend
     refuses the session, the relay ends VM A and its backend, and VM B, with a region and a backend of its
     own, serves on."""
-    started: dict[str, tuple[backends.Instance, machines.VmRecord]] = {}
-    try:
-        for name in ("vm-a", "vm-b"):
-            started[name] = _launch(name, GIB, *idle_guest)
+    with _vms({"vm-a": GIB, "vm-b": GIB}, *idle_guest) as started:
         (a, vm_a), (b, vm_b) = started["vm-a"], started["vm-b"]
         assert _environ(a.pid)[HOST_ENV] and _environ(b.pid)[HOST_ENV]
 
@@ -365,12 +373,6 @@ def test_garbage_in_one_vms_shared_memory_ends_that_vm_alone(
         wait_for("VM A's backend to be gone", lambda: not backends.is_backend_process(a.pid), timeout=30)
 
         assert machines.alive(vm_b) and machines.relay_alive(vm_b) and _answers(b) >= 1
-    finally:
-        for name, (instance, _) in started.items():
-            machines.remove(name)
-            backends.stop(instance.id)
-    for name, (instance, _) in started.items():
-        assert not machines.folder(name).exists() and _gone(instance)
 
 
 @needs_qemu
