@@ -374,7 +374,7 @@ def run_apir(ctx: Context[R]) -> ModeOutcome[R]:
     if problem:
         raise Skipped(f"APIR cannot run here: {problem}")
     ctx.facts.setdefault("llama_cpp", build.source_version)
-    apir = apir_hosts.start(build, f"bench-{new_id()}")
+    apir = apir_hosts.start(build, f"bench-{new_id()}", threads=config.settings().threads)
     try:
         if client == "host":
             env = dict(os.environ) | _NO_LOCAL_GPU | {apir_hosts.SOCKET_ENV: str(apir.socket)}
@@ -440,7 +440,7 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: Literal["", "rpc", "apir"]) 
         if remoting == "rpc":
             instance = rpc_server.start_own_backend(name, region=region)
         elif remoting == "apir":
-            apir = apir_hosts.start(_host_build(), name, region=region)
+            apir = apir_hosts.start(_host_build(), name, region=region, threads=config.settings().threads)
             env |= transport.vm_apir_plan(program.ngl, vm.GUEST_RPC_ENDPOINT).environment
     except BaseException:
         if region is not None:

@@ -98,6 +98,7 @@ class Host(Supervised):
     reg: str = ""
     respawn: bool = False  # its server has a restart policy: the watcher starts a host that died again
     mem_cap: int | None = None  # bytes of host memory each client may hold (the container's memory limit)
+    threads: int = 0  # a CPU backend's threads (`apir-host --threads`; 0: ggml's default)
 
     @property
     def socket(self) -> Path:
@@ -177,12 +178,14 @@ def frontend_problem(build: Build | None) -> str | None:
 
 
 def start(build: Build, name: str, trace: bool = False, respawn: bool = False, mem_cap: int | None = None,
-          region: Inherited | None = None) -> Host:
+          region: Inherited | None = None, threads: int | None = None) -> Host:
     """Start an apir-host for the container (or bench run) `name` and wait until it listens.
 
     `respawn` (a server with a Podman restart policy): a host that dies is started again, so that
     the container Podman restarts after it finds one. `region`: a VM's shared memory, whose ranges
-    its frontend names its resources by (`apir-host --region-fd`; llama_patches/ 0025)."""
+    its frontend names its resources by (`apir-host --region-fd`; llama_patches/ 0025). `threads`: a CPU
+    backend's (default: half the CPUs, as ggml-rpc-server's default; ggml's own is 4 whatever the
+    host has, llama_patches/ 0026)."""
     backend_library, ggml_library, reg = libraries(build)
     binary = build.binary(BINARY)
     base = private_dir(dirs().runtime)
@@ -197,7 +200,7 @@ def start(build: Build, name: str, trace: bool = False, respawn: bool = False, m
     host = Host(id=host_id, directory=str(directory), log=str(dirs().logs / f"apir-host-{host_id}.log"),
                 trace=trace_file, started_at=time.time(), owner_pid=owner_pid, owner_start=owner_start,
                 name=name, binary=str(binary), backend_library=str(backend_library), ggml_library=str(ggml_library),
-                reg=reg, respawn=respawn, mem_cap=mem_cap)
+                reg=reg, respawn=respawn, mem_cap=mem_cap, threads=threads or max(1, (os.cpu_count() or 2) // 2))
     try:
         directory.mkdir(mode=0o700)
         _launch(host, region=region)
@@ -211,6 +214,7 @@ def _command(host: Host, region: Inherited | None = None) -> list[str]:
     args = [host.binary, "--socket", str(host.socket), "--backend-library", host.backend_library,
             "--ggml-library", host.ggml_library, "--ggml-reg", host.reg]
     args += ["--trace", host.trace] if host.trace else []
+    args += ["--threads", str(host.threads)] if host.threads else []
     return args + (["--region-fd", str(region.fd)] if region is not None else [])
 
 

@@ -189,7 +189,8 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
             if opts.isolation == "vm":  # its guest's resources, ranges of memory both map
                 region = vm.Region.create(vm.APIR_REGION_BYTES)
             apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace,
-                                    respawn=opts.restart not in (None, "no"), mem_cap=opts.memory, region=region)
+                                    respawn=opts.restart not in (None, "no"), mem_cap=opts.memory, region=region,
+                                    threads=config.settings().threads)
             plan = transport.with_apir_host(plan, apir)
         phase("image")
         image_ref = spec.image_for(opts, plan, progress, api)

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -163,7 +163,8 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | None = None,
               env: dict[str, str] | None = None, backend_library: Path | None = None,
-              region_fd: int | None = None) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+              region_fd: int | None = None, extra_args: Sequence[str] = ()
+              ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
     """apir-host on the CPU backend (with `env` added to its environment), over the build's backend
     library or `backend_library`, sharing the memfd `region_fd` with its clients if given; yields
     (process, socket, log)."""
@@ -175,6 +176,7 @@ def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | Non
         args += ["--trace", str(trace)]
     if region_fd is not None:
         args += ["--region-fd", str(region_fd)]
+    args += list(extra_args)
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT,
                                 pass_fds=(region_fd,) if region_fd is not None else (),
@@ -397,6 +399,23 @@ def test_host_refuses_to_start_insecurely(llama_build: llamacpp.Build, tmp_path:
                           capture_output=True, text=True, timeout=30)
     assert done.returncode != 0 and "not an apir-host trace" in done.stderr
     assert not_a_trace.read_text() == "my notes\n"
+    for bad in ("0", "two", "5000"):
+        done = subprocess.run([str(exe), "--socket", str(private / "s.sock"), *libs, "--threads", bad],
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 2 and "--threads takes a whole number from 1 to 4096" in done.stderr, bad
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_host_names_a_cpu_backends_thread_count(llama_build: llamacpp.Build, workdir: Path, threads: int) -> None:
+    """llama_patches/ 0026: the backend library sets the thread count apir-host was given (ggml's default of 4
+    whatever the host has made generation on 2 cores a third as fast), and apirctl gives half the CPUs by
+    default, as ggml-rpc-server's own default."""
+    with apir_host(llama_build.binary("apir-host"), llama_build, workdir, extra_args=["--threads", str(threads)]) \
+            as (host, path, log):
+        good_session(path)
+        wait_for("the backend's thread count",
+                 lambda: f"n_threads = {threads}" in log.read_text(errors="replace"), 30)
+        assert host.poll() is None
 
 
 def test_a_fifth_client_waits_until_one_of_four_leaves(llama_build: llamacpp.Build, workdir: Path) -> None:
