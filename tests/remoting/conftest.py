@@ -16,6 +16,14 @@ import pytest
 from tests.support.ports import free_port
 
 
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    """A folder only its owner may enter, for a test's sockets and logs (a module may name its own)."""
+    d = tmp_path / "work"
+    d.mkdir(mode=0o700)
+    return d
+
+
 @pytest.fixture(scope="module")
 def sanitized_rpc_server() -> Path:
     """ggml-rpc-server built with AddressSanitizer and UndefinedBehaviorSanitizer: the server parses every

@@ -48,13 +48,6 @@ REGION = 64 << 20
 
 
 @pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    d = tmp_path / "apir"
-    d.mkdir(mode=0o700)
-    return d
-
-
-@pytest.fixture
 def region() -> Iterator[int]:
     fd = sealed_memfd(REGION)
     try:

@@ -43,13 +43,6 @@ CTL = 4096  # the control page before the rings
 
 
 @pytest.fixture
-def workdir(tmp_path: Path) -> Path:
-    d = tmp_path / "rpc"
-    d.mkdir(mode=0o700)
-    return d
-
-
-@pytest.fixture
 def region() -> Iterator[Region]:
     with Region.create() as made:
         yield made
