@@ -49,7 +49,6 @@ READY_TIMEOUT = 60.0
 SHM_CAP_ENV = "GGML_RPC_SHM_CAP"
 
 
-
 # --- processes (shared with the host backend) ---------------------------------------------------
 
 

@@ -46,6 +46,7 @@ class Inherited(Protocol):
 
     def backend_env(self) -> dict[str, str]: ...
 
+
 # Popen objects of processes this process started, so that their exit is reaped (no zombies while a
 # long-lived caller, such as a test session, keeps running).
 _children: list[subprocess.Popen[bytes]] = []

@@ -250,6 +250,7 @@ class Relay:
             if upstream is None or not self._forward(upstream, data):
                 return self.why
 
+
 def down(backend: Backend | backends.Instance) -> str:
     """The one line for a VM whose backend died (a container's `ps` says `rpc backend down` too)."""
     found = backend if isinstance(backend, Backend) else Backend.of_instance(backend)

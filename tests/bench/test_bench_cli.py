@@ -285,4 +285,4 @@ def test_serving_modes_are_checked_before_anything_starts(tmp_path: Path) -> Non
     """A served mode that does not exist, or native alone, is one line, before a model or server is touched."""
     for modes in ("native,apir", "native", "remoting,remoting"):
         proc = run_cli("bench", str(tmp_path / "absent.gguf"), "--serving", "--modes", modes)
-        one_line_error(proc, "for serving: name each of remoting, container, vm-cpu, vm-remoting at most once")
+        one_line_error(proc, "for serving: name each of remoting, container, vm-cpu, vm-remoting, vm-apir at most once")
