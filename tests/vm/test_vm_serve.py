@@ -187,6 +187,8 @@ def test_a_vm_with_remoting_computes_on_its_own_host_backend_and_leaves_nothing(
         # relay carries each session's HELLO alone
         assert "Accepted client connection" in log and "shared-memory transport in a region" in log, log[-2000:]
 
+        answered = cli("chat", "--name", first, "--max-tokens", "8", "--temp", "0", "Say hello.")
+        assert answered.returncode == 0 and answered.stdout.strip(), answered.stderr  # a chat answers
         listed = {s["name"]: s for s in ps()}
         assert listed[first]["transport"] == "rpc" and listed[first]["health"] == "ok"
         assert a["rpc_link"] == listed[first]["rpc_link"] == "shm"
@@ -233,6 +235,8 @@ def test_a_vm_on_apir_computes_on_its_own_apir_host_through_its_shared_memory_an
         assert host.trace is not None
         names = [r.name for r in apir_trace.read(Path(host.trace).read_bytes())]
         assert sum(n in ("ext_graph_run", "ext_graph_delta", "backend_graph_compute") for n in names) >= 8, names[-20:]
+        answered = cli("chat", "--name", name, "--max-tokens", "8", "--temp", "0", "Say hello.")
+        assert answered.returncode == 0 and answered.stdout.strip(), answered.stderr  # a chat answers
         listed = {s["name"]: s for s in ps()}
         assert listed[name]["transport"] == "virtgpu" and listed[name]["health"] == "ok"
         assert cli("stop", name).returncode == 0
