@@ -20,7 +20,7 @@ from types import TracebackType
 #: rings of 1 MiB (the size the shared-memory transport measured fastest for a token's logits).
 REGION_BYTES = 4 << 20
 #: An APIR VM's: every shared resource of its frontend (llama_patches/ 0025): the reply page, the data
-#: resource, a graph's held writes (40 MiB) and outputs (up to 64 MiB), with room to grow.
+#: resource, a graph's held writes (72 MiB) and outputs (up to 64 MiB), with room to grow.
 APIR_REGION_BYTES = 256 << 20
 #: What the backend reads: the number of the descriptor it inherited.
 HOST_ENV = "GGML_RPC_SHM_REGION_FD"
