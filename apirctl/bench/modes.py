@@ -432,9 +432,8 @@ def run_in_vm(ctx: Context[R], mode: str, remoting: Literal["", "rpc", "apir"]) 
     argv = [executable, *program.arguments(f"/models/{filename}", mode, True, extra=extra)]
     env = dict(rootfs.env)
     name = f"bench-{new_id()}"
-    region = None
-    if remoting:  # the memory the VM shares with its host process: RPC's rings, or APIR's resources
-        region = vm.Region.create(vm.APIR_REGION_BYTES) if remoting == "apir" else vm.Region.create()
+    # the memory the VM shares with its host process: RPC's rings, or APIR's resources
+    region = vm.Region.for_transport("virtgpu" if remoting == "apir" else "rpc") if remoting else None
     instance = apir = None
     try:
         if remoting == "rpc":

@@ -181,13 +181,13 @@ def provision(opts: ServeOptions, progress: ProgressFn | None = None) -> Iterato
             plan = _remote_plan(opts)
         if plan.needs_backend:  # a backend of its own, on its own socket
             phase("rpc backend")
-            region = vm.Region.create() if opts.isolation == "vm" else None  # its guest's rings, mapped by both
+            region = vm.Region.for_transport("rpc") if opts.isolation == "vm" else None  # the guest's rings
             instance = rpc_server.start_own_backend(name, opts.memory, region)  # the cap on what it shares and pins
             plan = transport.with_backend(plan, instance)
         if plan.needs_apir_host:  # Linux APIR: an apir-host of its own, on its own socket
             phase("apir host")
-            if opts.isolation == "vm":  # its guest's resources, ranges of memory both map
-                region = vm.Region.create(vm.APIR_REGION_BYTES)
+            if opts.isolation == "vm":  # the guest's resources, ranges of memory both map
+                region = vm.Region.for_transport("virtgpu")
             apir = apir_hosts.start(llamacpp.require_build(), name, trace=opts.apir_trace,
                                     respawn=opts.restart not in (None, "no"), mem_cap=opts.memory, region=region,
                                     threads=config.settings().threads)

@@ -188,7 +188,7 @@ def _start_vm(ready: Provisioned) -> Server:
     argv = (ready.spec.entrypoint or rootfs.entrypoint) + ready.spec.command
     labels = dict(ready.spec.labels)
     memory_mb = max(256, (opts.memory or VM_MEMORY_MB << 20) >> 20)
-    instance = ready.instance  # remoting: the VM's backend (or apir-host) of its own (provision started it)
+    instance = ready.instance  # rpc: the VM's backend of its own (provision started it; APIR's host: ready.apir)
     record = vm.VmRecord(name=ready.name, id=secrets.token_hex(32), labels=labels, image=ready.image,
                          port=opts.port, created=time.time(), accel=accel.name, memory_mb=memory_mb,
                          cpus=opts.cpus or VM_CPUS, rpc_instance=instance.id if instance else "",

@@ -29,10 +29,10 @@ from apirctl.vm.machines import (
     server_tail,
     servers,
 )
-from apirctl.vm.region import APIR_REGION_BYTES, Region
+from apirctl.vm.region import Region
 from apirctl.vm.rootfs import RootFs, ensure_rootfs
 
-__all__ = ["APIR_REGION_BYTES", "BUILD_HINT", "GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "Region", "RootFs",
+__all__ = ["BUILD_HINT", "GUEST_RPC_ENDPOINT", "Accel", "BootFiles", "Region", "RootFs",
            "VmRecord", "alive", "build_problem", "choose", "ended", "ensure_boot_files", "ensure_rootfs", "exists",
            "follow_to_end", "kvm_problem", "launch", "logs", "records", "relay_alive", "remove", "server_of",
            "server_tail", "servers", "tcg_unemulated"]

@@ -53,6 +53,12 @@ class Region:
             raise
         return cls(fd, size)
 
+    @classmethod
+    def for_transport(cls, transport: str) -> Region:
+        """The region a remoting VM's transport needs: RPC's rings (`REGION_BYTES`), or APIR's resources
+        (`virtgpu`: `APIR_REGION_BYTES`)."""
+        return cls.create(APIR_REGION_BYTES if transport == "virtgpu" else REGION_BYTES)
+
     def backend_env(self) -> dict[str, str]:
         return {HOST_ENV: str(self.fd)}
 

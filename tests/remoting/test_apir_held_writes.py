@@ -12,51 +12,27 @@ may go in a call of its own.
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from apirctl.apir import protocol
-from apirctl.apir import trace as apir_trace
 from apirctl.build import llamacpp
-from tests.remoting.test_apir_host_native import apir_host
+from tests.remoting import test_apir_outputs_grow as outputs_grow
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 CONTEXT = 2048
-TEXT = ("the river ran past the old mill where a miller kept his grain and counted the sacks each morning "
-        "before the carts came down from the hills with news of rain")
 
 
 def perplexity(build: llamacpp.Build, model: Path, text: Path, env: dict[str, str]) -> str:
-    """llama-perplexity's final estimate over one chunk of CONTEXT tokens in one batch, flash attention off
-    (its mask is then floats: 4 bytes a cell)."""
-    done = subprocess.run([str(build.binary("llama-perplexity")), "-m", str(model), "-f", str(text),
-                           "-c", str(CONTEXT), "-b", str(CONTEXT), "-ub", str(CONTEXT), "--chunks", "1",
-                           "-fa", "off", "-ngl", "99", "-t", "2"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    found = re.search(r"Final estimate: PPL = [0-9.]+", done.stdout + done.stderr)
-    assert found, (done.stdout + done.stderr)[-2000:]
-    return found.group(0)
+    """One chunk of CONTEXT tokens in one batch, flash attention off (its mask is then floats: 4 bytes a cell)."""
+    return outputs_grow.perplexity(build, model, text, env, CONTEXT, ("--chunks", "1", "-fa", "off", "-t", "2"))
 
 
 def test_a_batch_of_33_mib_of_inputs_is_one_call(llama_build: llamacpp.Build, demo_model: Path,
                                                  workdir: Path) -> None:
-    text = workdir / "text.txt"
-    text.write_text(" ".join([TEXT] * 140) + "\n")  # about 4,600 tokens: llama-perplexity wants twice CONTEXT
-    native = perplexity(llama_build, demo_model, text, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-
-    trace = workdir / "trace.bin"
-    with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, _log):
-        env = {**os.environ, "GGML_VIRTGPU_SOCKET": str(path), "GGML_VIRTGPU_SHARED_BUFFERS": "0"}
-        remoted = perplexity(llama_build, demo_model, text, env)
-    assert remoted == native
-
-    forwarded = [r for r in apir_trace.read(trace.read_bytes()) if r.cmd_type == protocol.CommandType.FORWARD]
+    # about 4,600 tokens: llama-perplexity wants twice CONTEXT
+    forwarded = outputs_grow.native_then_remoted(llama_build, demo_model, workdir, 140, perplexity)
     runs = [i for i, r in enumerate(forwarded) if (found := r.graph_run()) is not None and found[0].graph_id != 0]
     assert runs, "the batch computed on the host"
     # from the first compute on (the weights were written before it), the inputs (embeddings, indices, the

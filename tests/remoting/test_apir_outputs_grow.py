@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import pytest
 from apirctl.apir import protocol
 from apirctl.apir import trace as apir_trace
 from apirctl.build import llamacpp
-from tests.remoting.test_apir_host_native import apir_host, workdir  # noqa: F401 (workdir: a fixture)
+from tests.remoting.test_apir_host_native import apir_host
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,30 +30,40 @@ TEXT = ("the river ran past the old mill where a miller kept his grain and count
         "before the carts came down from the hills with news of rain")
 
 
-def perplexity(build: llamacpp.Build, model: Path, text: Path, env: dict[str, str]) -> str:
-    """llama-perplexity's final estimate line, over two chunks of CONTEXT tokens."""
+def perplexity(build: llamacpp.Build, model: Path, text: Path, env: dict[str, str], context: int = CONTEXT,
+               flags: tuple[str, ...] = ("--chunks", "2", "-t", "1")) -> str:
+    """llama-perplexity's final estimate line over chunks of `context` tokens, a chunk a batch (by default two
+    chunks, one thread)."""
     done = subprocess.run([str(build.binary("llama-perplexity")), "-m", str(model), "-f", str(text),
-                           "-c", str(CONTEXT), "-b", str(CONTEXT), "--chunks", "2", "-ngl", "99", "-t", "1"],
-                          env=env, capture_output=True, text=True, timeout=600)
+                           "-c", str(context), "-b", str(context), "-ub", str(context), "-ngl", "99", *flags],
+                          env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-2000:]
     found = re.search(r"Final estimate: PPL = [0-9.]+", done.stdout + done.stderr)
     assert found, (done.stdout + done.stderr)[-2000:]
     return found.group(0)
 
 
-def test_outputs_past_8_mib_come_back_without_a_call(llama_build: llamacpp.Build, demo_model: Path,
-                                                     workdir: Path) -> None:  # noqa: F811
+def native_then_remoted(build: llamacpp.Build, model: Path, workdir: Path, repeats: int,
+                        run: Callable[[llamacpp.Build, Path, Path, dict[str, str]], str]
+                        ) -> list[apir_trace.Record]:
+    """`run` over TEXT `repeats` times natively, then through the real apir-host on the CPU (the buffers in
+    the host's memory, as a GPU's are); asserts the two results are equal, and returns the host's
+    FORWARD records."""
     text = workdir / "text.txt"
-    text.write_text(" ".join([TEXT] * 30) + "\n")  # about 900 tokens: two chunks of CONTEXT need 512
-    native = perplexity(llama_build, demo_model, text, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
-
+    text.write_text(" ".join([TEXT] * repeats) + "\n")
+    native = run(build, model, text, {**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     trace = workdir / "trace.bin"
-    with apir_host(llama_build.binary("apir-host"), llama_build, workdir, trace) as (_, path, _log):
+    with apir_host(build.binary("apir-host"), build, workdir, trace) as (_, path, _log):
         env = {**os.environ, "GGML_VIRTGPU_SOCKET": str(path), "GGML_VIRTGPU_SHARED_BUFFERS": "0"}
-        remoted = perplexity(llama_build, demo_model, text, env)
+        remoted = run(build, model, text, env)
     assert remoted == native
+    return [r for r in apir_trace.read(trace.read_bytes()) if r.cmd_type == protocol.CommandType.FORWARD]
 
-    forwarded = [r for r in apir_trace.read(trace.read_bytes()) if r.cmd_type == protocol.CommandType.FORWARD]
+
+def test_outputs_past_8_mib_come_back_without_a_call(llama_build: llamacpp.Build, demo_model: Path,
+                                                     workdir: Path) -> None:
+    # about 900 tokens: two chunks of CONTEXT need 512
+    forwarded = native_then_remoted(llama_build, demo_model, workdir, 30, perplexity)
     runs = [r for r in forwarded if (found := r.graph_run()) is not None and found[0].graph_id != 0]
     assert len(runs) >= 2, "both chunks computed on the host"
     fetched = [r.arguments()["request"].get("size") for r in forwarded if r.name == "buffer_get_tensor"]

@@ -121,7 +121,7 @@ def test_qemu_of_a_remoting_vm_forwards_exactly_one_address_to_a_socket_in_its_p
 def test_a_remoting_vms_shared_memory_is_its_backends_sealed_memfd_as_one_ivshmem_device(tmp_path: Path) -> None:
     files = boot.BootFiles(kernel=tmp_path / "k", initrd=tmp_path / "i", version="v")
     rootfs = RootFs(path=tmp_path / "root.img", image_id="x", entrypoint=[], env={})
-    with Region.create() as made:
+    with Region.for_transport("rpc") as made:
         seals = fcntl.fcntl(made.fd, fcntl.F_GET_SEALS)
         assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW and seals & fcntl.F_SEAL_SEAL
         assert os.fstat(made.fd).st_size == REGION_BYTES and REGION_BYTES & (REGION_BYTES - 1) == 0
@@ -383,7 +383,7 @@ def test_garbage_on_an_apir_vms_stream_ends_that_vm_and_its_apir_host(
     with the host's own line as the reason."""
     files, rootfs = idle_guest
     record = _record("vm-apir", port=free_port()).model_copy(update={"rpc_instance": ""})
-    with Region.create(APIR_REGION_BYTES) as region:
+    with Region.for_transport("virtgpu") as region:
         host = apir_hosts.start(vm_build, "vm-apir", region=region)  # type: ignore[arg-type]
         try:
             record.apir_host = host.id
