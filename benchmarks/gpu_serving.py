@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import apir_serving_windows
 from gpu_harness import NO_GPU, NS, VETH_NS, stop
 
 if TYPE_CHECKING:
@@ -85,7 +86,8 @@ class Window:
         seconds = self.end - self.start
         return {"tokens_per_s": round(self.tokens / seconds, 2), "tokens": self.tokens, "seconds": round(seconds, 2),
                 "ttft_p50_ms": pct(0.5), "ttft_p95_ms": pct(0.95), "requests_started": len(ttft),
-                "requests_finished": self.finished, "errors": self.errors, "first_error": self.error_text[:200]}
+                "requests_finished": self.finished, "errors": self.errors, "first_error": self.error_text[:200],
+                "window_monotonic_s": [round(self.start, 3), round(self.end, 3)]}
 
 
 class Streams:
@@ -270,6 +272,15 @@ class Serving:
         r = self.runner
         order = ["native"] + [*r.args.serving_paths, "native"] * rounds
         sequence = [{"row": key, **Streams([servers[key]], level, self.seconds).run().as_dict()} for key in order]
+        for row in sequence:  # where an APIR row's time went, from its host's trace (apir_serving_windows)
+            trace = r.logs / f"serving-{shape}-{row['row']}.trace"
+            if row["row"].startswith("apir") and trace.exists():
+                start, end = row["window_monotonic_s"]
+                try:
+                    row["host_trace"] = apir_serving_windows.breakdown(
+                        apir_serving_windows.load(trace), int(start * 1e9), int(end * 1e9))
+                except (OSError, ValueError) as exc:
+                    row["host_trace"] = {"error": str(exc)}
         natives = [i for i, row in enumerate(sequence) if row["row"] == "native"]
         for i, row in enumerate(sequence):
             if row["row"] == "native":
