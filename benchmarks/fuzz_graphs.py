@@ -2,7 +2,8 @@
 written by the harness.
 
 Issue 30 asks for 1e6 computed graphs with 0 findings on both hosts (the APIR backend library and
-ggml-rpc's server). At about 16 graphs per CPU second that is hours of one core, so a campaign runs
+ggml-rpc's server). At about 190 (APIR) and 85 (RPC) computed graphs per CPU second and worker
+(docs/reliability.md, "The harnesses' rate") that is hours of one core, so a campaign runs
 `--workers` libFuzzer processes per host, all at once, until `--graphs` graphs were computed or the
 wall time is up:
 

@@ -623,7 +623,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         }
         buffers.push_back(buffer);
 
-        memcpy(resources[0].ptr, g.data[b].data(), g.sizes[b]);
+        memcpy(resources[0].ptr, g.data(b), g.sizes[b]);
         const gfuzz::graph one = gfuzz::whole_buffer(g.sizes[b]);
         writer set;
         set.put(buffer);

@@ -19,9 +19,18 @@ import hashlib
 import os
 from pathlib import Path
 
-from tests.apir.fuzz.build import LIBRARY_FLAGS, SANITIZE, TARGETS, FuzzBuildError, build_libraries, clang, link_harness
+from tests.apir.fuzz.build import (
+    LIBRARY_FLAGS,
+    PACKAGES,
+    SANITIZE,
+    TARGETS,
+    FuzzBuildError,
+    build_libraries,
+    clang,
+    link_harness,
+)
 
-__all__ = ["FuzzBuildError", "HARNESSES", "LIBRARY_FLAGS", "SANITIZE", "SOURCES", "TARGETS", "build",
+__all__ = ["FuzzBuildError", "HARNESSES", "LIBRARY_FLAGS", "PACKAGES", "SANITIZE", "SOURCES", "TARGETS", "build",
            "build_fuzzers", "clang", "harness_digest"]
 
 HERE = Path(__file__).resolve().parent

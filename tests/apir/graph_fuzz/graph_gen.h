@@ -117,12 +117,22 @@ struct tensor {
     int64_t   index_limit = 0;  // a leaf of indices: the values to put in it are below this
 };
 
+// The buffers' contents live in one area per process, reused from input to input (generate() clears
+// what a graph uses): a graph of 64 MiB then costs no fresh pages, and a graph is copied (the APIR
+// harness's deltas keep two) without its bytes. One graph's contents at a time.
+inline std::vector<uint8_t> & contents_area() {
+    static std::vector<uint8_t> area;
+    return area;
+}
+
 struct graph {
     std::vector<tensor>  t;
     std::vector<int>     nodes;
-    std::vector<size_t>               sizes;  // of the buffers
-    std::vector<std::vector<uint8_t>> data;   // each buffer's contents after the leaves are set
-    size_t                            total = 0;
+    std::vector<size_t>  sizes;  // of the buffers
+    std::vector<size_t>  at;     // where each buffer's contents (after the leaves are set) start in the area
+    size_t               total = 0;
+
+    uint8_t * data(size_t b) const { return contents_area().data() + at[b]; }
 };
 
 constexpr size_t ALIGN          = 32;
@@ -648,12 +658,135 @@ inline uint32_t next(uint32_t & s) {
     return s;
 }
 
+// The values the leaves are filled from: POOL bounded floats (a whole number of blocks of every type),
+// made once, and each type's bytes of them (converted, or quantized once by the type's reference
+// quantizer). A leaf is filled with runs of whole blocks copied from its type's pool at places the
+// data seed picks: the values a quantizer makes from bounded floats, without quantizing megabytes
+// per input (which took most of a worker's time, in the harness rather than in the host).
+constexpr int64_t POOL = 1 << 15;
+
+inline const float * float_pool() {
+    static std::vector<float> pool = [] {
+        std::vector<float> f((size_t) POOL);
+        uint32_t           s = 0x2545f491;
+        for (auto & v : f) {
+            v = ((int32_t) (next(s) % 2001) - 1000) / 250.0f;
+        }
+        return f;
+    }();
+    return pool.data();
+}
+
+// `type`'s bytes of the float pool: empty where the harness leaves such a leaf zero
+inline const std::vector<uint8_t> & type_pool(ggml_type type) {
+    static std::vector<uint8_t> pools[GGML_TYPE_COUNT];
+    static bool                 made[GGML_TYPE_COUNT];
+    std::vector<uint8_t> &      pool = pools[type];
+    if (made[type]) {
+        return pool;
+    }
+    made[type]    = true;
+    const float * f = float_pool();
+    switch (type) {
+        case GGML_TYPE_F32:
+            pool.assign((const uint8_t *) f, (const uint8_t *) (f + POOL));
+            break;
+        case GGML_TYPE_F16:
+            pool.resize((size_t) POOL * 2);
+            ggml_fp32_to_fp16_row(f, (ggml_fp16_t *) pool.data(), POOL);
+            break;
+        case GGML_TYPE_BF16:
+            pool.resize((size_t) POOL * 2);
+            ggml_fp32_to_bf16_row(f, (ggml_bf16_t *) pool.data(), POOL);
+            break;
+        case GGML_TYPE_F64:
+            pool.resize((size_t) POOL * 8);
+            for (int64_t i = 0; i < POOL; i++) {
+                const double d = f[i];
+                memcpy(pool.data() + 8 * i, &d, 8);
+            }
+            break;
+        default:
+            if (ggml_blck_size(type) > 1 && POOL % ggml_blck_size(type) == 0 && !ggml_quantize_requires_imatrix(type)) {
+                pool.resize(ggml_row_size(type, POOL));
+                ggml_quantize_chunk(type, f, pool.data(), 0, 1, POOL, nullptr);
+            }
+            break;
+    }
+    return pool;
+}
+
+// `s` advanced by `n` steps of next() at once (xorshift is linear over GF(2): a step is a 32x32 bit
+// matrix, and the matrices of 2^k steps are made once). A float leaf takes as many steps as it has
+// elements, as when each element was drawn: the indices drawn after it, and so every input's index
+// data (an expert id out of range is one), are what they were.
+inline void skip(uint32_t & s, uint64_t n) {
+    static uint32_t jump[64][32];  // jump[k][j]: bit j's image after 2^k steps
+    static bool     made = false;
+    if (!made) {
+        for (int j = 0; j < 32; j++) {
+            uint32_t v = 1u << j;
+            v ^= v << 13;
+            v ^= v >> 17;
+            v ^= v << 5;
+            jump[0][j] = v;
+        }
+        for (int k = 1; k < 64; k++) {
+            for (int j = 0; j < 32; j++) {
+                uint32_t v = 0;
+                for (int b = 0; b < 32; b++) {
+                    if (jump[k - 1][j] >> b & 1) {
+                        v ^= jump[k - 1][b];
+                    }
+                }
+                jump[k][j] = v;
+            }
+        }
+        made = true;
+    }
+    for (int k = 0; n != 0; k++, n >>= 1) {
+        if (n & 1) {
+            uint32_t v = 0;
+            for (int b = 0; b < 32; b++) {
+                if (s >> b & 1) {
+                    v ^= jump[k][b];
+                }
+            }
+            s = v;
+        }
+    }
+}
+
+// `units` whole blocks (elements of an unquantized type) of `type` at `p`, in runs from its pool at
+// places drawn from `s` (a stream of the leaf's own)
+inline void fill_from_pool(ggml_type type, uint8_t * p, size_t units, uint32_t s) {
+    const std::vector<uint8_t> & pool = type_pool(type);
+    const size_t                 unit = ggml_type_size(type);
+    if (pool.empty() || unit == 0) {
+        return;
+    }
+    const size_t have = pool.size() / unit;
+    for (size_t done = 0; done < units;) {
+        const size_t from = next(s) % have;
+        const size_t n    = units - done < have - from ? units - done : have - from;
+        memcpy(p + done * unit, pool.data() + from * unit, n * unit);
+        done += n;
+    }
+}
+
 // the leaves' contents: bounded floats, indices below their limit (one in 64 tensors: one index is not)
 inline void fill(graph & g, uint32_t seed) {
-    g.data.resize(g.sizes.size());
+    std::vector<uint8_t> & area = contents_area();
+    g.at.resize(g.sizes.size());
+    size_t end = 0;
     for (size_t i = 0; i < g.sizes.size(); i++) {
-        g.data[i].assign(g.sizes[i], 0);
+        g.at[i] = end;
+        end += (g.sizes[i] + 63) / 64 * 64;
     }
+    if (area.size() < end) {
+        area.resize(end);
+    }
+    memset(area.data(), 0, end);
     uint32_t s = seed | 1;
     for (auto & t : g.t) {
         if (t.node || t.view_src >= 0) {
@@ -663,40 +796,28 @@ inline void fill(graph & g, uint32_t seed) {
         if (t.buffer < 0 || t.offset + n > g.sizes[t.buffer] || n == 0) {
             continue;
         }
-        uint8_t *     p  = g.data[t.buffer].data() + t.offset;
+        uint8_t *     p  = g.data(t.buffer) + t.offset;
         const int64_t ne = n / ggml_type_size(t.type) * ggml_blck_size(t.type);
         if (t.type == GGML_TYPE_I32 || t.type == GGML_TYPE_I64 || t.type == GGML_TYPE_I16 || t.type == GGML_TYPE_I8) {
             const int64_t limit = t.index_limit > 0 ? t.index_limit : 64;
             const bool    wrong = next(s) % 64 == 0;
+            const size_t  ts    = ggml_type_size(t.type);
             for (int64_t i = 0; i < ne; i++) {
-                int64_t v = (int64_t) (next(s) % (uint64_t) limit);
-                if (wrong && i == 0) {
-                    v = limit;
-                }
-                const size_t ts = ggml_type_size(t.type);
+                const int64_t v = (int64_t) (next(s) % (uint64_t) limit);
                 memcpy(p + i * ts, &v, ts);
+            }
+            if (wrong && ne > 0) {
+                memcpy(p, &limit, ts);
             }
             continue;
         }
-        std::vector<float> f((size_t) ne);
-        for (auto & v : f) {
-            v = ((int32_t) (next(s) % 2001) - 1000) / 250.0f;
-        }
-        switch (t.type) {
-            case GGML_TYPE_F32: memcpy(p, f.data(), n); break;
-            case GGML_TYPE_F16: ggml_fp32_to_fp16_row(f.data(), (ggml_fp16_t *) p, ne); break;
-            case GGML_TYPE_BF16: ggml_fp32_to_bf16_row(f.data(), (ggml_bf16_t *) p, ne); break;
-            case GGML_TYPE_F64:
-                for (int64_t i = 0; i < ne; i++) {
-                    double d = f[i];
-                    memcpy(p + 8 * i, &d, 8);
-                }
-                break;
-            default:
-                if (!ggml_quantize_requires_imatrix(t.type) && t.ne[0] % ggml_blck_size(t.type) == 0) {
-                    ggml_quantize_chunk(t.type, f.data(), p, 0, ne / t.ne[0], t.ne[0], nullptr);
-                }
-                break;
+        const uint32_t own = s ^ 0x9e3779b9u;
+        skip(s, (uint64_t) ne);
+        if (ggml_blck_size(t.type) == 1) {
+            fill_from_pool(t.type, p, (size_t) ne, own | 1);
+        } else if (t.ne[0] > 0 && t.ne[0] % ggml_blck_size(t.type) == 0) {
+            // whole rows, as a row-wise quantization of the values writes them
+            fill_from_pool(t.type, p, (size_t) (ne / t.ne[0] * (t.ne[0] / ggml_blck_size(t.type))), own | 1);
         }
     }
 }

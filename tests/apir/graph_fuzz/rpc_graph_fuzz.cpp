@@ -110,9 +110,11 @@ bool recv_all(void * p, size_t n) {
     return true;
 }
 
-bool command(uint8_t cmd, const std::vector<uint8_t> & payload) {
-    const uint64_t size = payload.size();
-    return send_all(&cmd, 1) && send_all(&size, 8) && (payload.empty() || send_all(payload.data(), payload.size()));
+// a message: the command, its payload's size, the payload (and `more` bytes after it, sent from where they are)
+bool command(uint8_t cmd, const std::vector<uint8_t> & payload, const uint8_t * more = nullptr, size_t n_more = 0) {
+    const uint64_t size = payload.size() + n_more;
+    return send_all(&cmd, 1) && send_all(&size, 8) && (payload.empty() || send_all(payload.data(), payload.size())) &&
+           (n_more == 0 || send_all(more, n_more));
 }
 
 bool response(void * out, size_t n) {
@@ -205,8 +207,7 @@ bool upload(const gfuzz::graph & g, std::vector<uint64_t> & buffers, std::vector
         put(req, record(one, 0, { buffers.back() }, { base }));
         put(req, (uint8_t) 0);
         put(req, (uint64_t) 0);
-        req.insert(req.end(), g.data[b].begin(), g.data[b].end());
-        if (!command(CMD_SET_TENSOR, req)) {
+        if (!command(CMD_SET_TENSOR, req, g.data(b), g.sizes[b])) {
             return false;
         }
     }
