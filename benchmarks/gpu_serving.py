@@ -162,6 +162,43 @@ class Streams:
             conn.close()
 
 
+def server_counters(host: str, port: int) -> dict[str, float]:
+    """llama-server's Prometheus counters (`--metrics`), by name without the `llamacpp:` prefix; empty
+    when the server does not answer (a row then has no step figures, not a failure)."""
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=10)
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        text = resp.read().decode(errors="replace") if resp.status == 200 else ""
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return {}
+    return parse_counters(text)
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.startswith("llamacpp:") and "{" not in name:
+            with contextlib.suppress(ValueError):
+                found[name.removeprefix("llamacpp:")] = float(value)
+    return found
+
+
+def step_figures(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float | None]:
+    """A row's llama_decode calls (steps) from the counters read around it: how many a second, the
+    milliseconds one takes, and the tokens generated a step. Native rows get them too, which is what
+    an APIR row's host trace is compared with."""
+    if "n_decode_total" not in before or "n_decode_total" not in after or seconds <= 0:
+        return {}
+    steps = after["n_decode_total"] - before["n_decode_total"]
+    tokens = after.get("tokens_predicted_total", 0.0) - before.get("tokens_predicted_total", 0.0)
+    return {"steps": steps, "steps_per_s": round(steps / seconds, 1),
+            "ms_per_step": round(seconds * 1e3 / steps, 3) if steps else None,
+            "tokens_per_step": round(tokens / steps, 2) if steps else None}
+
+
 class Serving:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
@@ -189,7 +226,8 @@ class Serving:
         r = self.runner
         ctx = slots * (PROMPT_TOKENS + GEN_TOKENS + 64)
         cmd = [*(prefix or []), str(r.bin / "llama-server"), "-m", str(r.models[shape]), "-ngl", "99",
-               "--host", host, "--port", str(port), "-np", str(slots), "-c", str(ctx), "--no-webui", *extra]
+               "--host", host, "--port", str(port), "-np", str(slots), "-c", str(ctx), "--no-webui", "--metrics",
+               *extra]
         cmd += r.cpu_threads()
         log = f"llama-server-{name}.log"
         fh = (r.logs / log).open("a")
@@ -271,7 +309,14 @@ class Serving:
         """
         r = self.runner
         order = ["native"] + [*r.args.serving_paths, "native"] * rounds
-        sequence = [{"row": key, **Streams([servers[key]], level, self.seconds).run().as_dict()} for key in order]
+        sequence = []
+        for key in order:
+            counted = server_counters(*servers[key])
+            row = {"row": key, **Streams([servers[key]], level, self.seconds).run().as_dict()}
+            # read after the streams closed: the steps of the half second before the window and of
+            # the requests cancelled at its end are counted too (a few of a row's hundreds or thousands)
+            row["steps"] = step_figures(counted, server_counters(*servers[key]), self.seconds)
+            sequence.append(row)
         for row in sequence:  # where an APIR row's time went, from its host's trace (apir_serving_windows)
             trace = r.logs / f"serving-{shape}-{row['row']}.trace"
             if row["row"].startswith("apir") and trace.exists():
