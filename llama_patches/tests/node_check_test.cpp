@@ -20,6 +20,7 @@
 #include "ggml-backend-impl.h"
 #include "ggml-node-check.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -196,9 +197,37 @@ static void test_op_desc(void) {
     ggml_free(ctx);
 }
 
+// SWIGLU_OAI and SWIGLU_CLAMP clamp to [-limit, limit]: a negative or NaN limit made ggml-cpu's
+// std::clamp assert where the C++ library checks its preconditions (found by the graph fuzzer)
+static void set_limit(ggml_tensor * t, float limit) {
+    memcpy(&t->op_params[3], &limit, sizeof(limit));  // where ggml_swiglu_clamp and ggml_swiglu_oai keep it
+}
+
+static void test_glu_limit(void) {
+    ggml_init_params params = { 16 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    a      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 32, 4);
+    ggml_tensor *    b      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 32, 4);
+    ggml_tensor *    clamp  = ggml_swiglu_clamp(ctx, a, b, 7.0f);
+    ggml_tensor *    oai    = ggml_swiglu_oai(ctx, a, b, 1.702f, 7.0f);
+    EXPECT(ggml_node_check(clamp) == GGML_NODE_CHECK_OK, "SWIGLU_CLAMP with a limit of 7");
+    EXPECT(ggml_node_check(oai) == GGML_NODE_CHECK_OK, "SWIGLU_OAI with a limit of 7");
+    set_limit(clamp, 0.0f);
+    EXPECT(ggml_node_check(clamp) == GGML_NODE_CHECK_OK, "SWIGLU_CLAMP with a limit of 0");
+    const float bad[] = { -1.0f, -0.0001f, -INFINITY, NAN };
+    for (float limit : bad) {
+        set_limit(clamp, limit);
+        set_limit(oai, limit);
+        EXPECT(ggml_node_check(clamp) == GGML_NODE_CHECK_FAILED, "SWIGLU_CLAMP with a negative or NaN limit fails");
+        EXPECT(ggml_node_check(oai) == GGML_NODE_CHECK_FAILED, "SWIGLU_OAI with a negative or NaN limit fails");
+    }
+    ggml_free(ctx);
+}
+
 int main(void) {
     test_room();
     test_op_desc();
+    test_glu_limit();
     if (failures) {
         fprintf(stderr, "%d node check tests failed\n", failures);
         return 1;

@@ -50,6 +50,7 @@ TYPE_F32, TYPE_F16, TYPE_Q4_0, TYPE_Q8_0 = 0, 1, 2, 8
 TYPE_I8, TYPE_I16, TYPE_I32, TYPE_I64, TYPE_F64 = 24, 25, 26, 27, 28
 OP_NORM, OP_RMS_NORM, OP_SCALE, OP_CPY = 24, 25, 32, 34
 OP_SET_ROWS, OP_SOFT_MAX, OP_ROPE, OP_FLASH_ATTN_EXT = 42, 46, 48, 74
+OP_GLU, GLU_SWIGLU_CLAMP = 100, 6
 # the dispatch table (docs/apir.md)
 BUFFER_CLEAR, BUFFER_FREE = 20, 21
 
@@ -214,6 +215,16 @@ def set_rows_into(type_: int, size: int) -> Callable[[Layout], Graph]:
     return build
 
 
+def swiglu_clamp(limit: float) -> Callable[[Layout], Graph]:
+    def build(lay: Layout) -> Graph:
+        a = lay.t((16, 2), TYPE_F32, contiguous((16, 2), 4))
+        b = lay.t((16, 2), TYPE_F32, contiguous((16, 2), 4))
+        return lay.node(lay.t((16, 2), TYPE_F32, contiguous((16, 2), 4), OP_GLU, [a, b],
+                              [GLU_SWIGLU_CLAMP, 0, 0, f32_bits(limit)]))
+
+    return build
+
+
 FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "cpy-f32-rows-into-q8_0": cpy_f32_rows_into_q8_0,
     "cpy-q4_0-to-q8_0": cpy_between_quantized_types,
@@ -240,6 +251,8 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     # found by the graph fuzzer (docs/reliability.md), past the rules of both hosts
     "rope-freq-factors-shorter-than-half-the-row": rope_freq_factors(8, 4, 2),
     "scale-of-a-permuted-source-with-a-dimension-of-1": scale_of_rows(276),
+    # std::clamp(x, -limit, limit) asserts on a negative limit where the C++ library checks it
+    "swiglu-clamp-of-a-negative-limit": swiglu_clamp(-1.0),
 }
 
 
@@ -277,6 +290,7 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "set-rows-into-f16": set_rows_into_f16,
     "rope-freq-factors-of-half-the-row": rope_freq_factors(8, 4, 4),
     "scale-of-rows-packed-across-a-dimension-of-1": scale_of_rows(92),
+    "swiglu-clamp-of-a-limit-of-7": swiglu_clamp(7.0),
 }
 
 

@@ -38,13 +38,13 @@ BLOCK = {F32: (4, 1), F16: (2, 1), I32: (4, 1), I64: (8, 1), F64: (8, 1), BF16: 
          IQ2_XXS: (66, 256)}  # bytes, elements
 OP_NONE, OP_ADD, OP_MUL, OP_RMS_NORM, OP_MUL_MAT, OP_MUL_MAT_ID, OP_SCALE, OP_CPY = 0, 2, 7, 25, 29, 30, 32, 34
 OP_GET_ROWS, OP_SET_ROWS, OP_ROPE, OP_UNARY, OP_GLU, OP_COUNT = 40, 42, 48, 91, 100, 101
-UNARY_ABS, UNARY_COUNT, GLU_SWIGLU, GLU_COUNT = 0, 22, 2, 7
+UNARY_ABS, UNARY_COUNT, GLU_SWIGLU, GLU_SWIGLU_CLAMP, GLU_COUNT = 0, 22, 2, 6, 7
 # rpc_tensor: id, type, buffer, ne[4], nb[4], op, op_params[16], flags, src[10], view_src, view_offs, data,
 # name[64], use_count
 TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")
 assert TENSOR.size == 296
 BUFFER_SIZE = 1 << 20
-F32_ONE, F32_TWO = struct.unpack("<2i", struct.pack("<2f", 1.0, 2.0))
+F32_ONE, F32_TWO, F32_MINUS_ONE = struct.unpack("<3i", struct.pack("<3f", 1.0, 2.0, -1.0))
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -230,6 +230,11 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         # the CPU's copy converts between F32 and I32 only: F64 into F32 aborts
         "cpy-from-f64-into-f32": ([2], [s.at(1, F64, [1, 9], 0), s.at(2, F32, [1, 9], 4096, op=OP_CPY, src=[1, 3]),
                                         s.at(3, F32, [1, 9], 4096)]),
+        # SWIGLU_CLAMP clamps to [-limit, limit] with std::clamp, which asserts on a negative limit where
+        # the C++ library checks its preconditions (found by the graph fuzzer)
+        "swiglu-clamp-of-a-negative-limit": ([3], [
+            s.at(1, F32, [16, 2], 0), s.at(2, F32, [16, 2], 4096),
+            s.at(3, F32, [16, 2], 8192, op=OP_GLU, src=[1, 2], params=[GLU_SWIGLU_CLAMP, 0, 0, F32_MINUS_ONE])]),
     }
 
 
@@ -311,7 +316,7 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "node-without-a-buffer", "rope-freq-factors-shorter-than-half-the-row",
                 "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
-                "empty-cpy-of-huge-rows"]
+                "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
