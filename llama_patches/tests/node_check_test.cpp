@@ -224,10 +224,41 @@ static void test_glu_limit(void) {
     ggml_free(ctx);
 }
 
+// multimodal ROPE: four positions a token, sections that are there, not negative and inside the row,
+// and no mode ggml-cpu does not know (found by the graph fuzzer: the RPC server computed such nodes)
+static void test_rope_multi(void) {
+    ggml_init_params params = { 16 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    a      = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 16, 2, 3);
+    ggml_tensor *    pos    = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 12);
+    int              sections[4] = { 4, 2, 2, 0 };
+    ggml_tensor *    t = ggml_rope_multi(ctx, a, pos, nullptr, 16, sections, GGML_ROPE_TYPE_MROPE, 4096, 10000.0f, 1.0f,
+                                         0.0f, 1.0f, 32.0f, 1.0f);
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_OK, "MROPE as ggml_rope_multi builds it");
+    const int32_t bad_sections[][4] = { { 0, 0, 0, 0 }, { 0, 0, 0, 8 }, { 8, -4, 4, 0 }, { 8, 8, 8, 0 } };
+    for (const auto & bad : bad_sections) {
+        memcpy(t->op_params + 11, bad, sizeof(bad));
+        EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "MROPE of sections absent, negative or past the row fails");
+    }
+    memcpy(t->op_params + 11, sections, sizeof(sections));
+    t->src[1] = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 3);
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "MROPE of one position a token fails");
+    t->src[1] = pos;
+    t->op_params[2] = 4;
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "ROPE of a mode ggml does not have fails");
+    t->op_params[2] = GGML_ROPE_TYPE_VISION;
+    t->op_params[1] = 8;
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_OK, "VISION rotating half the row");
+    t->op_params[1] = 4;
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "VISION rotating less than half the row fails");
+    ggml_free(ctx);
+}
+
 int main(void) {
     test_room();
     test_op_desc();
     test_glu_limit();
+    test_rope_multi();
     if (failures) {
         fprintf(stderr, "%d node check tests failed\n", failures);
         return 1;

@@ -151,6 +151,22 @@ def rope(ne0: int, n_dims: int, n_offs: int = 0) -> Callable[[Layout], Graph]:
     return build
 
 
+def rope_multi(sections: tuple[int, int, int, int], positions: int = 4, mode: int = 8) -> Callable[[Layout], Graph]:
+    """Multimodal ROPE (MROPE: mode 8) of one token's row of 16: `positions` positions (the kernels read
+    four a token) and the row's pairs split into `sections` (op parameters 11-14)."""
+
+    def build(lay: Layout) -> Graph:
+        a = lay.t((16, 1, 1), TYPE_F32, contiguous((16,), 4))
+        pos = lay.t((positions,), TYPE_I32, contiguous((positions,), 4))
+        # n_past, n_dims, mode, n_ctx, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast,
+        # beta_slow, the sections, n_offs: as ggml_rope_multi lays them out
+        params = [0, 16, mode, 0, 4096, f32_bits(10000.0), f32_bits(1.0), f32_bits(0.0), f32_bits(1.0),
+                  f32_bits(32.0), f32_bits(1.0), *sections, 0]
+        return lay.node(lay.t((16, 1, 1), TYPE_F32, contiguous((16,), 4), OP_ROPE, [a, pos], params))
+
+    return build
+
+
 def rope_freq_factors(ne0: int, n_dims: int, n_factors: int) -> Callable[[Layout], Graph]:
     """ROPE of a row of `ne0` with `n_factors` frequency factors: ggml-cpu's rotation cache reads ne0/2."""
 
@@ -253,6 +269,13 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "scale-of-a-permuted-source-with-a-dimension-of-1": scale_of_rows(276),
     # std::clamp(x, -limit, limit) asserts on a negative limit where the C++ library checks it
     "swiglu-clamp-of-a-negative-limit": swiglu_clamp(-1.0),
+    # multimodal ROPE: ggml-cpu asserts a section, divides by their sum, reads four positions a token,
+    # and aborts on a mode it does not know
+    "rope-multimodal-without-sections": rope_multi((0, 0, 0, 0)),
+    "rope-multimodal-of-a-negative-section": rope_multi((8, -4, 4, 0)),
+    "rope-multimodal-of-sections-past-the-row": rope_multi((8, 8, 8, 0)),
+    "rope-multimodal-of-one-position-a-token": rope_multi((4, 2, 2, 0), positions=1),
+    "rope-of-an-unknown-mode": rope_multi((4, 2, 2, 0), mode=4),
 }
 
 
@@ -291,6 +314,7 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "rope-freq-factors-of-half-the-row": rope_freq_factors(8, 4, 4),
     "scale-of-rows-packed-across-a-dimension-of-1": scale_of_rows(92),
     "swiglu-clamp-of-a-limit-of-7": swiglu_clamp(7.0),
+    "rope-multimodal-of-sections-in-the-row": rope_multi((4, 2, 2, 0)),
 }
 
 

@@ -235,6 +235,15 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         "swiglu-clamp-of-a-negative-limit": ([3], [
             s.at(1, F32, [16, 2], 0), s.at(2, F32, [16, 2], 4096),
             s.at(3, F32, [16, 2], 8192, op=OP_GLU, src=[1, 2], params=[GLU_SWIGLU_CLAMP, 0, 0, F32_MINUS_ONE])]),
+        # multimodal ROPE (mode 8) whose sections are all 0: ggml-cpu asserts one (found by the graph fuzzer)
+        "rope-multimodal-without-sections": ([3], [
+            s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [4], 4096),
+            s.at(3, F32, [16, 1, 1], 8192, op=OP_ROPE, src=[1, 2], params=[0, 16, 8, 0, 0, F32_ONE])]),
+        # with sections, but one position a token where the kernels read four: past the positions
+        "rope-multimodal-of-one-position-a-token": ([3], [
+            s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [1], 4096),
+            s.at(3, F32, [16, 1, 1], 8192, op=OP_ROPE, src=[1, 2],
+                 params=[0, 16, 8, 0, 0, F32_ONE, 0, 0, 0, 0, 0, 4, 2, 2, 0])]),
     }
 
 
@@ -316,7 +325,8 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "node-without-a-buffer", "rope-freq-factors-shorter-than-half-the-row",
                 "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
-                "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit"]
+                "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit", "rope-multimodal-without-sections",
+                "rope-multimodal-of-one-position-a-token"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
