@@ -187,7 +187,9 @@ def test_a_dropped_block_is_never_sent_and_ctrl_d_sends_one(
     pane = chat_pane(tmp_path, server.url)
     try:
         pane.line('"""')
+        pane.wait(r'"""\n\.\.\. ?$')  # in the block before the next keys (a loaded machine is slow to draw)
         pane.line("a draft")
+        pane.wait(r"a draft\n\.\.\. ?$")
         pane.keys("C-c")
         pane.wait(r"message dropped")
         pane.wait(r"^>>> ?$")
