@@ -254,7 +254,23 @@ static void test_rope_multi(void) {
     ggml_free(ctx);
 }
 
+// MUL_MAT of rows of no elements: ggml-cpu plans no work buffer and steps through its NULL base to
+// convert src1 (found by the graph fuzzer, UBSan)
+static void test_mul_mat_of_empty_rows(void) {
+    ggml_init_params params = { 8 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    a      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 32, 4);
+    ggml_tensor *    b      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 32, 2);
+    ggml_tensor *    t      = ggml_mul_mat(ctx, a, b);
+    EXPECT(ggml_node_check(t) != GGML_NODE_CHECK_FAILED, "MUL_MAT of rows of 32");
+    a->ne[0] = 0;  // as a client's bytes may have it (ggml_mul_mat would take such rows for transposed)
+    b->ne[0] = 0;
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "MUL_MAT of rows of no elements fails");
+    ggml_free(ctx);
+}
+
 int main(void) {
+    test_mul_mat_of_empty_rows();
     test_room();
     test_op_desc();
     test_glu_limit();

@@ -239,6 +239,10 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         "rope-multimodal-without-sections": ([3], [
             s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [4], 4096),
             s.at(3, F32, [16, 1, 1], 8192, op=OP_ROPE, src=[1, 2], params=[0, 16, 8, 0, 0, F32_ONE])]),
+        # rows of no elements: ggml-cpu plans no work buffer and steps through its NULL base converting
+        # src1 (found by the graph fuzzer, UBSan in the sanitized server)
+        "mul-mat-of-rows-of-no-elements": ([3], [s.at(1, F32, [0, 4], 0), s.at(2, F16, [0, 2], 4096),
+                                                 s.at(3, F32, [4, 2], 8192, op=OP_MUL_MAT, src=[1, 2])]),
         # with sections, but one position a token where the kernels read four: past the positions
         "rope-multimodal-of-one-position-a-token": ([3], [
             s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [1], 4096),
@@ -326,7 +330,7 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
                 "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit", "rope-multimodal-without-sections",
-                "rope-multimodal-of-one-position-a-token"]
+                "rope-multimodal-of-one-position-a-token", "mul-mat-of-rows-of-no-elements"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
