@@ -246,6 +246,15 @@ static void test_rope_multi(void) {
     t->src[1] = pos;
     t->op_params[2] = 4;
     EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "ROPE of a mode ggml does not have fails");
+    // no elements (a dimension of 0) and a third dimension of 2^62: the positions are counted without a
+    // product that could overflow (this test runs under UBSan)
+    a->ne[1]   = 0;
+    a->ne[2]   = INT64_C(1) << 62;
+    t->ne[1]   = 0;
+    t->ne[2]   = a->ne[2];
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "MROPE of 2^62 tokens and 12 positions fails");
+    a->ne[1] = t->ne[1] = 2;
+    a->ne[2] = t->ne[2] = 3;
     t->op_params[2] = GGML_ROPE_TYPE_VISION;
     t->op_params[1] = 8;
     EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_OK, "VISION rotating half the row");
