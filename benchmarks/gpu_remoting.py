@@ -48,6 +48,9 @@ results.json is rewritten after every step, so a cut-off run still reports):
    concurrency 1, 8 and 32, natively and over each remoting path from the container's network namespace;
    and N servers at once (1, 2, 4), native processes against remoting clients with a backend each, over
    one common window, time-sliced and (`--mps`) under CUDA MPS.
+12. `vm` (issue 32, in benchmarks/gpu_vm.py): llama-bench in a KVM micro-VM booted as `apirctl serve
+   --isolation vm` boots one, through RPC and through APIR to a host process of the VM's own on the GPU,
+   alternated with native; and the VM's own CPU once (`--vm-kit`: the kit `gpu_vm.py pack` made).
 
 Needs: root (network namespaces), an NVIDIA GPU, nvcc, cmake, ninja, python3 with numpy,
 gguf and pyroute2 importable, and optionally slirp4netns (its .deb files can be given with
@@ -1065,6 +1068,12 @@ class Runner:
             print(table, flush=True)
         if self.passthrough is not None:
             self.passthrough.measure()
+        if "vm" in parts:
+            from gpu_vm import VmPart
+
+            vm = VmPart(self)
+            if self.step("vm-kit", vm.prepare, need=60):
+                vm.measure()
         self.log("done")
 
     def cleanup(self) -> None:
@@ -1094,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
                     help="which measurements to run, after the build: hotpath, shared, rings, transport, apir, core, "
-                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough, serving, multi")
+                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough, serving, multi, vm")
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--serving-seconds", type=float, default=30.0, help="`serving`/`multi`: seconds per row")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="`serving`: streams per level")
@@ -1121,7 +1130,14 @@ def main(argv: list[str] | None = None) -> int:
                          "without it, the podman on PATH (with the part's own storage and settings)")
     ap.add_argument("--podman-lock", type=Path,
                     help="passthrough: every podman command holds this lock (flock), for a shared machine")
+    ap.add_argument("--vm-kit", type=Path, help="vm: the kit `gpu_vm.py pack` made (QEMU, boot files, root disk)")
+    ap.add_argument("--vm-cpus", type=int, default=8, help="vm: the VM's virtual CPUs (llama-bench's threads there)")
+    ap.add_argument("--vm-accel", choices=["kvm", "tcg"], default="kvm",
+                    help="vm: tcg only to try the part on a host whose KVM boots no ordinary guest")
+    ap.add_argument("--vm-rows", nargs="*", default=["vm-cpu"], help="vm: extra rows (vm-cpu: the VM's own CPU)")
     args = ap.parse_args(argv)
+    if "vm" in args.parts and args.vm_kit is None:
+        ap.error("--parts vm needs --vm-kit (benchmarks/gpu_vm.py pack)")
     sys.path.insert(0, str(HERE))
     runner = Runner(args)
     try:

@@ -278,8 +278,35 @@ static void test_mul_mat_of_empty_rows(void) {
     ggml_free(ctx);
 }
 
+// MUL_MAT with a Hadamard hint: ggml-cpu transforms src1's rows of ne10 floats into the result's rows,
+// which have src0's ne1 elements, so src0 must be square (found by the graph fuzzer, ASan: 4 floats
+// written into a result row of 2)
+static int check_hinted_mul_mat(int64_t n, int64_t rows, int32_t hint) {
+    ggml_init_params params = { 8 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    a      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, rows);
+    ggml_tensor *    b      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, 3);
+    ggml_tensor *    t      = ggml_mul_mat(ctx, a, b);
+    t->op_params[1]         = hint;
+    const int result        = ggml_node_check(t);
+    ggml_free(ctx);
+    return result;
+}
+
+static void test_mul_mat_hadamard_hint(void) {
+    EXPECT(check_hinted_mul_mat(4, 4, GGML_HINT_SRC0_IS_HADAMARD) != GGML_NODE_CHECK_FAILED,
+           "MUL_MAT of a square Hadamard src0 of rows of 4");
+    EXPECT(check_hinted_mul_mat(4, 2, GGML_HINT_SRC0_IS_HADAMARD) == GGML_NODE_CHECK_FAILED,
+           "a Hadamard hint on a src0 of 2 rows of 4 fails");
+    EXPECT(check_hinted_mul_mat(4, 2, GGML_HINT_NONE) != GGML_NODE_CHECK_FAILED, "the same MUL_MAT without the hint");
+    EXPECT(check_hinted_mul_mat(3, 3, GGML_HINT_SRC0_IS_HADAMARD) == GGML_NODE_CHECK_FAILED,
+           "a Hadamard hint on rows of 3 fails");
+    EXPECT(check_hinted_mul_mat(4, 4, 7) == GGML_NODE_CHECK_FAILED, "a hint ggml does not have fails");
+}
+
 int main(void) {
     test_mul_mat_of_empty_rows();
+    test_mul_mat_hadamard_hint();
     test_room();
     test_op_desc();
     test_glu_limit();

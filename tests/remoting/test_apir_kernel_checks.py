@@ -213,6 +213,18 @@ def mul_mat_src0(type_: int, size: int) -> Callable[[Layout], Graph]:
     return build
 
 
+def mul_mat_hadamard(rows: int) -> Callable[[Layout], Graph]:
+    """A [4,`rows`] times B [4,3] with the Hadamard hint (op parameter 1): ggml-cpu then writes B's
+    rows of 4 floats, transformed, into result rows of `rows` elements."""
+
+    def build(lay: Layout) -> Graph:
+        a = lay.t((4, rows), TYPE_F32, contiguous((4, rows), 4))
+        b = lay.t((4, 3), TYPE_F32, contiguous((4, 3), 4))
+        return lay.node(lay.t((rows, 3), TYPE_F32, contiguous((rows, 3), 4), OP_MUL_MAT, [a, b], [0, 1]))
+
+    return build
+
+
 def f16_row_op(op: int, params: list[int]) -> Callable[[Layout], Graph]:
     def build(lay: Layout) -> Graph:
         a = lay.t((16, 2), TYPE_F16, contiguous((16, 2), 2))
@@ -276,6 +288,8 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "rope-multimodal-of-sections-past-the-row": rope_multi((8, 8, 8, 0)),
     "rope-multimodal-of-one-position-a-token": rope_multi((4, 2, 2, 0), positions=1),
     "rope-of-an-unknown-mode": rope_multi((4, 2, 2, 0), mode=4),
+    # the Hadamard hint makes ggml-cpu transform B's rows into the result's, which are shorter here
+    "mul-mat-with-a-hadamard-hint-and-src0-not-square": mul_mat_hadamard(2),
 }
 
 
@@ -315,6 +329,7 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "scale-of-rows-packed-across-a-dimension-of-1": scale_of_rows(92),
     "swiglu-clamp-of-a-limit-of-7": swiglu_clamp(7.0),
     "rope-multimodal-of-sections-in-the-row": rope_multi((4, 2, 2, 0)),
+    "mul-mat-with-a-hadamard-hint-and-a-square-src0": mul_mat_hadamard(4),
 }
 
 

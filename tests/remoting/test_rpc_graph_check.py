@@ -243,6 +243,11 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         # src1 (found by the graph fuzzer, UBSan in the sanitized server)
         "mul-mat-of-rows-of-no-elements": ([3], [s.at(1, F32, [0, 4], 0), s.at(2, F16, [0, 2], 4096),
                                                  s.at(3, F32, [4, 2], 8192, op=OP_MUL_MAT, src=[1, 2])]),
+        # the Hadamard hint (op parameter 1): ggml-cpu writes B's rows of 4, transformed, into result rows
+        # of src0's 2 (found by the graph fuzzer, ASan in the sanitized APIR host)
+        "mul-mat-with-a-hadamard-hint-and-src0-not-square": ([3], [
+            s.at(1, F32, [4, 2], 0), s.at(2, F32, [4, 3], 4096),
+            s.at(3, F32, [2, 3], 8192, op=OP_MUL_MAT, src=[1, 2], params=[0, 1])]),
         # with sections, but one position a token where the kernels read four: past the positions
         "rope-multimodal-of-one-position-a-token": ([3], [
             s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [1], 4096),
@@ -330,7 +335,8 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "scale-of-a-permuted-source-with-a-dimension-of-1", "binary-op-of-a-transposed-source",
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
                 "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit", "rope-multimodal-without-sections",
-                "rope-multimodal-of-one-position-a-token", "mul-mat-of-rows-of-no-elements"]
+                "rope-multimodal-of-one-position-a-token", "mul-mat-of-rows-of-no-elements",
+                "mul-mat-with-a-hadamard-hint-and-src0-not-square"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
