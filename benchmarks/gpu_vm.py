@@ -67,8 +67,9 @@ if TYPE_CHECKING:
 
 #: /dev/kvm's KVM_GET_API_VERSION ioctl: 12 on every KVM since Linux 2.6.22.
 KVM_GET_API_VERSION = 0xAE00
-#: The firmware a q35 machine booted with -kernel reads, and the virtio NIC's option ROM.
-FIRMWARE = ("bios-256k.bin", "linuxboot_dma.bin", "kvmvapic.bin", "efi-virtio.rom")
+#: The firmware a q35 machine booted with -kernel reads, the virtio NIC's option ROM, and what
+#: vm_kvm_probe.sh boots with besides: the PVH entry's option ROM and microvm's qboot.
+FIRMWARE = ("bios-256k.bin", "linuxboot_dma.bin", "kvmvapic.bin", "efi-virtio.rom", "pvh.bin", "bios-microvm.bin")
 FIRMWARE_DIRS = (Path("/usr/share/qemu"), Path("/usr/share/seabios"), Path("/usr/lib/ipxe/qemu"))
 #: QEMU's modules a VM here loads: TCG (`--vm-accel tcg`) is one in Debian's build; KVM needs none.
 MODULE_DIR = Path("/usr/lib/x86_64-linux-gnu/qemu")
