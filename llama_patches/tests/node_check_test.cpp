@@ -260,6 +260,11 @@ static void test_rope_multi(void) {
     EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_OK, "VISION rotating half the row");
     t->op_params[1] = 4;
     EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "VISION rotating less than half the row fails");
+    // CUDA's vision kernel splits the pairs by the first two sections only, and divides by their sum
+    t->op_params[1] = 8;
+    const int32_t third_only[4] = { 0, 0, 4, 0 };
+    memcpy(t->op_params + 11, third_only, sizeof(third_only));
+    EXPECT(ggml_node_check(t) == GGML_NODE_CHECK_FAILED, "VISION of the third section alone fails");
     ggml_free(ctx);
 }
 

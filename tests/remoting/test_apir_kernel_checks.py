@@ -151,16 +151,18 @@ def rope(ne0: int, n_dims: int, n_offs: int = 0) -> Callable[[Layout], Graph]:
     return build
 
 
-def rope_multi(sections: tuple[int, int, int, int], positions: int = 4, mode: int = 8) -> Callable[[Layout], Graph]:
-    """Multimodal ROPE (MROPE: mode 8) of one token's row of 16: `positions` positions (the kernels read
-    four a token) and the row's pairs split into `sections` (op parameters 11-14)."""
+def rope_multi(sections: tuple[int, int, int, int], positions: int = 4, mode: int = 8,
+               n_dims: int = 16) -> Callable[[Layout], Graph]:
+    """Multimodal ROPE (MROPE: mode 8; VISION: 24, over half the row) of one token's row of 16: `positions`
+    positions (the kernels read four a token) and the row's pairs split into `sections` (op parameters
+    11-14)."""
 
     def build(lay: Layout) -> Graph:
         a = lay.t((16, 1, 1), TYPE_F32, contiguous((16,), 4))
         pos = lay.t((positions,), TYPE_I32, contiguous((positions,), 4))
         # n_past, n_dims, mode, n_ctx, n_ctx_orig, freq_base, freq_scale, ext_factor, attn_factor, beta_fast,
         # beta_slow, the sections, n_offs: as ggml_rope_multi lays them out
-        params = [0, 16, mode, 0, 4096, f32_bits(10000.0), f32_bits(1.0), f32_bits(0.0), f32_bits(1.0),
+        params = [0, n_dims, mode, 0, 4096, f32_bits(10000.0), f32_bits(1.0), f32_bits(0.0), f32_bits(1.0),
                   f32_bits(32.0), f32_bits(1.0), *sections, 0]
         return lay.node(lay.t((16, 1, 1), TYPE_F32, contiguous((16,), 4), OP_ROPE, [a, pos], params))
 
@@ -288,6 +290,8 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "rope-multimodal-of-sections-past-the-row": rope_multi((8, 8, 8, 0)),
     "rope-multimodal-of-one-position-a-token": rope_multi((4, 2, 2, 0), positions=1),
     "rope-of-an-unknown-mode": rope_multi((4, 2, 2, 0), mode=4),
+    # CUDA's vision kernel splits the pairs by the first two sections alone, and divides by their sum
+    "rope-vision-of-the-third-section-alone": rope_multi((0, 0, 4, 0), mode=24, n_dims=8),
     # the Hadamard hint makes ggml-cpu transform B's rows into the result's, which are shorter here
     "mul-mat-with-a-hadamard-hint-and-src0-not-square": mul_mat_hadamard(2),
 }
@@ -329,6 +333,7 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "scale-of-rows-packed-across-a-dimension-of-1": scale_of_rows(92),
     "swiglu-clamp-of-a-limit-of-7": swiglu_clamp(7.0),
     "rope-multimodal-of-sections-in-the-row": rope_multi((4, 2, 2, 0)),
+    "rope-vision-of-two-sections-over-half-the-row": rope_multi((2, 2, 0, 0), mode=24, n_dims=8),
     "mul-mat-with-a-hadamard-hint-and-a-square-src0": mul_mat_hadamard(4),
 }
 

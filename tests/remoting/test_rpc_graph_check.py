@@ -239,6 +239,12 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         "rope-multimodal-without-sections": ([3], [
             s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [4], 4096),
             s.at(3, F32, [16, 1, 1], 8192, op=OP_ROPE, src=[1, 2], params=[0, 16, 8, 0, 0, F32_ONE])]),
+        # vision ROPE (mode 24, over half the row) of the third section alone: CUDA's vision kernel splits
+        # the pairs by the first two sections only, and divides by their sum
+        "rope-vision-of-the-third-section-alone": ([3], [
+            s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [4], 4096),
+            s.at(3, F32, [16, 1, 1], 8192, op=OP_ROPE, src=[1, 2],
+                 params=[0, 8, 24, 0, 0, F32_ONE, F32_ONE, 0, F32_ONE, F32_ONE, F32_ONE, 0, 0, 4, 0])]),
         # rows of no elements: ggml-cpu plans no work buffer and steps through its NULL base converting
         # src1 (found by the graph fuzzer, UBSan in the sanitized server)
         "mul-mat-of-rows-of-no-elements": ([3], [s.at(1, F32, [0, 4], 0), s.at(2, F16, [0, 2], 4096),
@@ -336,7 +342,7 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
                 "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit", "rope-multimodal-without-sections",
                 "rope-multimodal-of-one-position-a-token", "mul-mat-of-rows-of-no-elements",
-                "mul-mat-with-a-hadamard-hint-and-src0-not-square"]
+                "mul-mat-with-a-hadamard-hint-and-src0-not-square", "rope-vision-of-the-third-section-alone"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]

@@ -365,10 +365,23 @@ struct builder {
         int64_t   k = r.dim(), m = r.dim(), n = r.dim(), a2 = 1 + r.u8() % 3, a3 = 1 + r.u8() % 2;
         int64_t   r2 = 1 + r.u8() % 3, r3 = 1 + r.u8() % 2;
         k            = blocks(at, k);
+        // now and then what llama.cpp's rotated KV cache sends: a square F32 src0 of rows a power of two
+        // long, hinted as a Hadamard matrix (ggml-cpu then transforms src1's rows instead of multiplying)
+        const bool hadamard = at == GGML_TYPE_F32 && a3 == 2 && r3 == 2;
+        if (hadamard) {
+            while (k & (k - 1)) {
+                k &= k - 1;
+            }
+            m = k;
+        }
         int       a  = source(at, k, m, a2, a3);
         int       b  = source(r.chance(4) ? GGML_TYPE_F16 : GGML_TYPE_F32, k, n, a2 * r2, a3 * r3);
         int64_t   ne[4] = { g.t[a].ne[1], g.t[b].ne[1], g.t[b].ne[2], g.t[b].ne[3] };
-        return node(GGML_OP_MUL_MAT, GGML_TYPE_F32, ne, { a, b });
+        int       x  = node(GGML_OP_MUL_MAT, GGML_TYPE_F32, ne, { a, b });
+        if (hadamard) {
+            g.t[x].params[1] = GGML_HINT_SRC0_IS_HADAMARD;
+        }
+        return x;
     }
 
     int mul_mat_id() {
@@ -447,9 +460,27 @@ struct builder {
         if (what & 2) {
             ff = leaf(GGML_TYPE_F32, n_dims / 2);
         }
+        // a quarter of the time a multimodal rotation: four positions a token, the row's pairs split into
+        // sections (vision: over half the row, split by the first two)
+        static const int multimodal[4] = { GGML_ROPE_TYPE_MROPE, GGML_ROPE_TYPE_IMROPE, GGML_ROPE_TYPE_VISION,
+                                           GGML_ROPE_TYPE_MROPE };
+        const int mode = (what & 0x30) == 0x30 ? multimodal[what >> 6] :
+                                                 (what & 4) ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
+        if (mode == GGML_ROPE_TYPE_VISION) {
+            n_dims = (int) (g.t[a].ne[0] / 2);
+        }
+        if ((what & 0x30) == 0x30) {
+            pos = leaf(GGML_TYPE_I32, 4 * g.t[a].ne[2], 1, 1, 1, 4096);
+        }
         int x = node(GGML_OP_ROPE, t, g.t[a].ne, { a, pos, ff });
         g.t[x].params[1] = n_dims;
-        g.t[x].params[2] = (what & 4) ? GGML_ROPE_TYPE_NEOX : GGML_ROPE_TYPE_NORMAL;
+        g.t[x].params[2] = mode;
+        if ((what & 0x30) == 0x30) {
+            const int pairs = (mode == GGML_ROPE_TYPE_VISION ? n_dims : n_dims / 2);
+            g.t[x].params[11] = pairs / 2;
+            g.t[x].params[12] = mode == GGML_ROPE_TYPE_VISION ? pairs - pairs / 2 : pairs / 4;
+            g.t[x].params[13] = mode == GGML_ROPE_TYPE_VISION ? 0 : pairs - pairs / 2 - pairs / 4;
+        }
         g.t[x].params[4] = 4096;
         set_f32(x, 5, 10000.0f);
         set_f32(x, 6, 1.0f);
