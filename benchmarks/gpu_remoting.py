@@ -1134,6 +1134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vm-cpus", type=int, default=8, help="vm: the VM's virtual CPUs (llama-bench's threads there)")
     ap.add_argument("--vm-accel", choices=["kvm", "tcg"], default="kvm",
                     help="vm: tcg only to try the part on a host whose KVM boots no ordinary guest")
+    ap.add_argument("--vm-boot-timeout", type=float,
+                    help="vm: seconds a VM may take to reach its init (default: 60 on KVM, 300 on TCG)")
     ap.add_argument("--vm-rows", nargs="*", default=["vm-cpu"], help="vm: extra rows (vm-cpu: the VM's own CPU)")
     args = ap.parse_args(argv)
     if "vm" in args.parts and args.vm_kit is None:

@@ -78,6 +78,9 @@ MODULES = ("accel-tcg-x86_64.so",)
 GLIBC = ("libc.so", "libm.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux", "libresolv.so",
          "linux-vdso")
 VM_TIMEOUT = 420.0
+#: Seconds from QEMU's start to init's line: KVM boots in a few; emulation on a loaded host takes tens.
+#: A VM past it does not boot on this host (the GPU machine's KVM, docs/vm.md), and no later VM row runs.
+BOOT_TIMEOUT = {"kvm": 60.0, "tcg": 300.0}
 GUEST_LLAMA_BENCH = "llama-bench"
 
 
@@ -249,6 +252,8 @@ class VmPart:
         from apirctl.vm import BootFiles, Region, RootFs, VmRecord, machines
 
         r = self.r
+        if self.unbootable:
+            raise RuntimeError("skipped: an earlier VM did not boot on this host")
         model = r.models[shape]
         reps = r.args.reps if remoting else min(r.args.reps, 2)
         argv = [f"/app/bin/{GUEST_LLAMA_BENCH}", "-m", f"/models/{model.name}", "-ngl", "99", "-p", "512", "-n", "128",
@@ -339,16 +344,24 @@ class VmPart:
                                                       "host_s": round(summary.host_ns / 1e9, 3)}
 
     boot_seconds: float | None = None
+    unbootable = False  # a VM did not boot: the rows after it are skipped
 
     def follow(self, console: Path, qemu_pid: int, started: float) -> str:
         """The console until QEMU exits (the program's end powers the VM off); the boot time is QEMU's
         start to init's first line."""
         self.boot_seconds = None
         deadline = started + VM_TIMEOUT
+        boot_timeout = self.r.args.vm_boot_timeout or BOOT_TIMEOUT[self.r.args.vm_accel]
+        boot_deadline = started + boot_timeout
         while True:
             text = console.read_text(errors="replace") if console.exists() else ""
             if self.boot_seconds is None and "apirctl-init: starting" in text:
                 self.boot_seconds = round(time.monotonic() - started, 2)
+            if self.boot_seconds is None and time.monotonic() > boot_deadline:
+                self.unbootable = True
+                last = next((line for line in reversed(text.splitlines()) if line.strip()), "nothing")
+                raise RuntimeError(f"the VM did not reach its init within {boot_timeout:g} s "
+                                   f"on {self.r.args.vm_accel} (its console's last line: {last.strip()[:160]})")
             if not _alive(qemu_pid):
                 return console.read_text(errors="replace") if console.exists() else ""
             if time.monotonic() > deadline:

@@ -67,6 +67,30 @@ def test_the_vm_part_runs_llama_bench_in_vms_through_both_transports(
     assert left.returncode == 1, left.stdout
 
 
+@pytest.mark.skipif(PROBLEM is None, reason="this host's KVM boots ordinary guests")
+def test_a_vm_that_does_not_boot_ends_its_row_and_the_rest_are_skipped(
+        podman: str, portable_build: llamacpp.Build, portable_image: str, demo_model: Path, tmp_path: Path) -> None:
+    """Where KVM boots no ordinary guest (PVM here; the GPU machine's, docs/vm.md) the kernel stops after
+    its real-mode setup: the part gives the VM its boot time, ends it, and runs no further VM."""
+    packed = _pack(portable_image, tmp_path / "kit")
+    assert packed.returncode == 0, packed.stderr
+    out = tmp_path / "out"
+    subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_remoting.py"), "--sdist", str(tmp_path / "unused.tar.gz"),
+         "--prebuilt", str(portable_build.bin_dir.parent), "--model", str(demo_model), "--shapes", "demo",
+         "--work", str(tmp_path / "work"), "--out", str(out), "--parts", "vm", "--vm-kit", str(tmp_path / "kit"),
+         "--vm-accel", "kvm", "--vm-boot-timeout", "15", "--vm-cpus", "2", "--device", "CPU",
+         "--server-threads", "1", "--reps", "1", "--passes", "1", "--vm-rows", "--deadline", "400"],
+        capture_output=True, text=True, timeout=600, check=False)
+    steps = json.loads((out / "results.json").read_text())["steps"]
+    assert "did not reach its init within 15 s on kvm" in steps["demo/vm_rpc_0"], steps
+    assert "an earlier VM did not boot" in steps["demo/vm_apir_0"], steps
+    assert steps["demo/vm-native-1"].startswith("ok")  # native rows go on
+    assert not any((tmp_path / "work" / "vm" / "home" / "run" / "vms").glob("*"))
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "work" / "vm" / "qemu")], capture_output=True, check=False)
+    assert left.returncode == 1, left.stdout
+
+
 def test_pack_refuses_an_image_of_another_build(podman: str, llama_image: str, llama_build: llamacpp.Build,
                                                tmp_path: Path) -> None:
     if not llama_build.options or not llama_build.options.native:
