@@ -87,6 +87,7 @@ def request(url: str, method: str, path: str, body: Any = None, timeout: float =
     an interrupted call left half-used."""
     payload = json.dumps(body).encode() if body is not None else None
     headers = {"Content-Type": "application/json"} if payload is not None else {}
+    resent = False  # a change sent again after its connection closed: the first may have taken effect
     for attempt in (1, 2):
         conn = _connection(url)
         conn.timeout = timeout
@@ -99,6 +100,7 @@ def request(url: str, method: str, path: str, body: Any = None, timeout: float =
             break
         except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as exc:
             conn.close()
+            resent = method != "GET"
             if attempt == 2:  # not a keep-alive connection it had closed: the service went away mid-call
                 # a question (GET) may be asked again of a new service; a change's outcome is unknown
                 lost = ServiceGone if method == "GET" else ApirctlError
@@ -129,6 +131,10 @@ def request(url: str, method: str, path: str, body: Any = None, timeout: float =
             decoded = data.decode(errors="replace")
     if response.status >= 400:
         message = decoded.get("message") if isinstance(decoded, dict) else str(decoded or "")
+        if resent and (response.status == 409 or "already in use" in str(message)):  # what the first send made
+            raise ApirctlError(f"the Podman API at {url} went away during the call, and the call sent again "
+                               f"conflicts with what the first made ({message or response.reason})",
+                               hint=SERVICE_STOPPED)
         raise LibpodError(response.status, str(message or response.reason))
     return response.status, decoded
 

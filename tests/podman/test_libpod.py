@@ -4,6 +4,8 @@ work against the real Podman service."""
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -156,3 +158,65 @@ def test_inspect_asks_again_when_the_container_exits_during_the_answer(monkeypat
     with pytest.raises(libpod.LibpodError, match="no such process"):
         libpod.inspect("unix:///x", "c1")
     assert len(answers) < 1000
+
+
+class _DyingService:
+    """A Podman API on a Unix socket whose first connection closes once it has read a call (the service
+    killed mid-call, after the change took effect) and whose next answers with `status` and `message`."""
+
+    def __init__(self, path: Path, status: int, message: str) -> None:
+        self.listener = socket.socket(socket.AF_UNIX)
+        self.listener.bind(str(path))
+        self.listener.listen()
+        self.answer = json.dumps({"message": message}).encode()
+        self.status = status
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _read_call(conn: socket.socket) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(65536)
+        head, _, body = data.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            body += conn.recv(65536)
+
+    def _serve(self) -> None:
+        with self.listener.accept()[0] as first:
+            self._read_call(first)
+        with self.listener.accept()[0] as second:
+            self._read_call(second)
+            second.sendall(b"HTTP/1.1 %d Refused\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                           % (self.status, len(self.answer), self.answer))
+
+
+@pytest.mark.parametrize(("method", "status", "message", "went_away"), [
+    ("POST", 500, "creating container storage: the container name \"x\" is already in use by 1107b16f", True),
+    ("POST", 409, "conflict", True),
+    ("POST", 404, "no such image", False),  # not what the first send could have made: passed on
+    ("GET", 409, "already in use", False),  # a question changes nothing: asked again, its answer stands
+])
+def test_a_change_sent_again_after_the_service_died_mid_call_is_not_blamed_on_the_request(
+        tmp_path: Path, method: str, status: int, message: str, went_away: bool) -> None:
+    """CI: the own Podman service was killed while it created a serve's container; the client sent the
+    create again to the service started after it, which refused the name the first create had taken, and
+    serve reported a refusal of its request instead of the service's death (whose clean-up removes it)."""
+    url = f"unix://{tmp_path / 'api.sock'}"
+    service = _DyingService(tmp_path / "api.sock", status, message)
+    try:
+        if went_away:
+            with pytest.raises(ApirctlError, match="went away during the call") as caught:
+                libpod.request(url, method, "/containers/create", body={"name": "x"})
+            assert caught.value.hint == libpod.SERVICE_STOPPED
+        else:
+            with pytest.raises(libpod.LibpodError) as refused:
+                libpod.request(url, method, "/containers/create", body={"name": "x"} if method == "POST" else None)
+            assert refused.value.status == status
+    finally:
+        libpod._discard(url)
+        service.thread.join(10)
+        service.listener.close()
+    assert not service.thread.is_alive()
