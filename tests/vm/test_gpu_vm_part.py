@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from apirctl import vm
-from apirctl.build import llamacpp
+from apirctl.build import image, llamacpp
+from apirctl.podman import engine
 from tests.vm.test_vm_serve import PROBLEM
 from tests.vm.test_vm_serve import pytestmark as vm_marks
 
@@ -22,17 +25,29 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 pytestmark = [vm_marks, pytest.mark.integration]
 
 
-def _pack(image: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _pack(tag: str, out: Path) -> subprocess.CompletedProcess[str]:
     boot = vm.ensure_boot_files()
-    rootfs = vm.ensure_rootfs(image)
-    return subprocess.run([sys.executable, str(BENCHMARKS / "gpu_vm.py"), "pack", "--image", image, "--rootfs",
+    rootfs = vm.ensure_rootfs(tag)
+    return subprocess.run([sys.executable, str(BENCHMARKS / "gpu_vm.py"), "pack", "--image", tag, "--rootfs",
                            str(rootfs.path), "--boot", str(boot.kernel.parent), "--out", str(out)],
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.fixture
+def kit_image(podman: str, portable_build: llamacpp.Build) -> Iterator[str]:
+    """The portable build's image under a tag of the test's own. The shared tag is relabelled by every
+    serve with the identity of the build it runs (the VM tests' serve runs the same files as an external
+    build, another identity), and pack would rightly refuse it then (a CI run saw it)."""
+    tag = f"localhost/apirctl/gpu-vm-kit-test:{uuid.uuid4().hex[:8]}"
+    image.build_image(portable_build, tag)
+    yield tag
+    subprocess.run([engine.podman_binary(), "rmi", "-f", tag], env=engine.podman_env(), capture_output=True,
+                   check=False)
+
+
 def test_the_vm_part_runs_llama_bench_in_vms_through_both_transports(
-        podman: str, portable_build: llamacpp.Build, portable_image: str, demo_model: Path, tmp_path: Path) -> None:
-    packed = _pack(portable_image, tmp_path / "kit")
+        portable_build: llamacpp.Build, kit_image: str, demo_model: Path, tmp_path: Path) -> None:
+    packed = _pack(kit_image, tmp_path / "kit")
     assert packed.returncode == 0, packed.stderr
     kit = json.loads((tmp_path / "kit" / "kit.json").read_text())
     assert kit["build_id"] == portable_build.identity and kit["options"]["native"] is False
@@ -69,10 +84,10 @@ def test_the_vm_part_runs_llama_bench_in_vms_through_both_transports(
 
 @pytest.mark.skipif(PROBLEM is None, reason="this host's KVM boots ordinary guests")
 def test_a_vm_that_does_not_boot_ends_its_row_and_the_rest_are_skipped(
-        podman: str, portable_build: llamacpp.Build, portable_image: str, demo_model: Path, tmp_path: Path) -> None:
+        portable_build: llamacpp.Build, kit_image: str, demo_model: Path, tmp_path: Path) -> None:
     """Where KVM boots no ordinary guest (PVM here; the GPU machine's, docs/vm.md) the kernel stops after
     its real-mode setup: the part gives the VM its boot time, ends it, and runs no further VM."""
-    packed = _pack(portable_image, tmp_path / "kit")
+    packed = _pack(kit_image, tmp_path / "kit")
     assert packed.returncode == 0, packed.stderr
     out = tmp_path / "out"
     subprocess.run(
