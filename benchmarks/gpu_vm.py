@@ -432,11 +432,10 @@ class VmPart:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state not in ("Z", "X")
+    """The process runs (apirctl's own reading of /proc: an exited QEMU is gone or a zombie)."""
+    from apirctl.remoting import supervised
+
+    return (supervised.proc_state(pid) or ("X",))[0] not in ("Z", "X")
 
 
 def main(argv: list[str] | None = None) -> int:
