@@ -177,6 +177,34 @@ def test_a_fuzzer_that_is_killed_has_counted_its_graphs(fuzzers: dict[str, Path]
 
 
 @pytest.mark.integration
+def test_the_apir_harness_moves_to_a_new_client_before_its_buffer_ids_run_out(fuzzers: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    """The library gives a client buffer ids up to a bound and never reuses one, so one long fuzzer
+    process ran out of them (the harness aborted after 656,263 inputs, "a buffer of 16 bytes was
+    refused"). The harness moves to a new client first, as a guest reconnects; here after 30 ids, so
+    that a few hundred inputs cross several clients and every one of them still computes."""
+    patches = campaign.HERE.parents[2] / "llama_patches"
+    objects = next(patches.glob("0009-ggml-virtgpu-the-backend-names-guest-objects*.patch")).read_text()
+    bound = re.search(r"#define APIR_MAX_BUFFER_ID +\(\(uint64_t\) 1 << (\d+)\)", objects)
+    harness = (campaign.HERE / "apir_graph_fuzz.cpp").read_text()
+    assert bound is not None and f"IDS_PER_CLIENT      = ((uint64_t) 1 << {bound.group(1)}) - 1;" in harness
+    corpus, counts = tmp_path / "corpus", tmp_path / "counts"
+    corpus.mkdir()
+    counts.mkdir()
+    for seed_file in campaign.CORPUS.iterdir():
+        shutil.copy(seed_file, corpus / seed_file.name)
+    done = subprocess.run([str(fuzzers["apir_graph_fuzz"]), str(corpus), "-runs=300", "-seed=11", "-detect_leaks=0",
+                           "-max_len=512", f"-artifact_prefix={tmp_path}/"], capture_output=True, text=True,
+                          errors="replace", env={**campaign.environment(counts), "GFUZZ_IDS_PER_CLIENT": "30"},
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    clients = [int(n) for n in re.findall(r"apir-graph-fuzz: client (\d+),", done.stderr)]
+    assert len(clients) >= 3 and clients == list(range(2, 2 + len(clients))), done.stderr[-4000:]
+    counted = campaign.read_counts(counts)
+    assert counted.computed >= 100 and counted.deltas_computed >= 1, counted
+
+
+@pytest.mark.integration
 def test_the_rpc_harness_runs_on_through_signals(fuzzers: dict[str, Path], tmp_path: Path) -> None:
     """libFuzzer's timer (SIGALRM every -timeout/2 s) interrupted a socket call of the RPC harness or of
     its server's thread now and then; on a fresh connection that stopped the campaign ("a fresh

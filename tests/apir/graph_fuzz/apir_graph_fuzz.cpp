@@ -39,7 +39,8 @@
 //
 // Environment: APIR_FUZZ_GGML_LIBRARY (default libggml-cpu.so next to the backend library),
 // GFUZZ_VERBOSE=1 keeps the library's logs, GFUZZ_KEEP_BACKEND=1 keeps one backend for all inputs, GFUZZ_STATS=1 prints the accepted graphs per op at exit, GFUZZ_DESCRIBE=1 prints each graph,
-// GFUZZ_COUNTS=DIR keeps the counts in a file there (graph_gen.h's map_counts).
+// GFUZZ_COUNTS=DIR keeps the counts in a file there (graph_gen.h's map_counts), GFUZZ_IDS_PER_CLIENT=N moves
+// to a new client after N buffer ids (at most the library's bound, the default).
 
 #include "graph_gen.h"
 #include "ggml-backend.h"
@@ -133,7 +134,11 @@ constexpr uint64_t FEATURE_GRAPH_DELTA = 8;
 constexpr uint32_t GRAPH_RUN_DONE      = 0;
 constexpr uint64_t GRAPH_ID            = 1;
 constexpr uint32_t LOAD_LIBRARY_OK     = 6;
-constexpr uint32_t CTX                 = 1;
+constexpr uint32_t FIRST_CLIENT        = 1;
+// a client is given buffer ids from 1 up to the library's APIR_MAX_BUFFER_ID (backend-objects.h),
+// never reused, so that a stale id never names a later buffer: a long campaign moves to a new client
+// before its ids run out, as a guest would reconnect
+constexpr uint64_t IDS_PER_CLIENT      = ((uint64_t) 1 << 22) - 1;
 constexpr uint32_t RES_DATA            = 1;
 constexpr uint32_t RES_GRAPH           = 2;
 constexpr size_t   RES_SIZE            = gfuzz::MAX_BUFFER + 4096;
@@ -146,6 +151,10 @@ struct resource {
 
 resource    resources[] = { { RES_DATA, nullptr }, { RES_GRAPH, nullptr } };
 bool        describe_graphs = false;
+uint32_t    client_ctx      = FIRST_CLIENT;
+uint64_t    ids_given       = 0;  // buffer ids the current client was given
+uint64_t    ids_per_client  = IDS_PER_CLIENT;
+std::string last_error;           // the library's last error line, kept for the harness's own aborts
 bool        keep_backend    = false;
 // the library's own backend and device (backend-dispatched.cpp), exported
 ggml_backend_t *     library_bck = nullptr;
@@ -190,7 +199,18 @@ uint8_t * map_resource(size_t size) {
     return base + page;
 }
 
-void silent_log(ggml_log_level, const char *, void *) {}
+// the library's logs are dropped but for its last error, which the harness prints when it aborts
+void silent_log(ggml_log_level level, const char * text, void *) {
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        last_error = text;
+    }
+}
+
+[[noreturn]] void harness_abort(const char * what) {
+    fprintf(stderr, "apir-graph-fuzz: %s (client %u, %llu buffer ids given); the library's last error: %s", what,
+            client_ctx, (unsigned long long) ids_given, last_error.empty() ? "none\n" : last_error.c_str());
+    abort();
+}
 
 struct writer {
     std::vector<uint8_t> bytes;
@@ -209,7 +229,7 @@ bool call(uint32_t cmd, const std::vector<uint8_t> & request, std::vector<uint8_
         memcpy(req, request.data(), request.size());
     }
     char *   after = nullptr;
-    uint32_t ret   = apir_backend_dispatcher(CTX, &callbacks, cmd, req, req + request.size(), out, out + REPLY_SIZE, &after);
+    uint32_t ret   = apir_backend_dispatcher(client_ctx, &callbacks, cmd, req, req + request.size(), out, out + REPLY_SIZE, &after);
     if (ret == 0 && reply) {
         reply->assign(out, after);
     }
@@ -445,8 +465,7 @@ bool clear_and_run(uint64_t buffer, uint8_t value) {
     clear.put(buffer);
     clear.put((uint32_t) value);
     if (!call(CMD_BUFFER_CLEAR, clear.bytes)) {
-        fprintf(stderr, "apir-graph-fuzz: a clear of a buffer of the input was refused\n");
-        abort();
+        harness_abort("a clear of a buffer of the input was refused");
     }
     fresh_backend();
     return graph_run({}, {});  // graph_size 0: the graph kept under GRAPH_ID
@@ -547,6 +566,26 @@ void print_stats() {
         }
     }
 }
+// the buffer type's id in the current client's table
+void fetch_buffer_type() {
+    std::vector<uint8_t> reply;
+    if (!call(CMD_GET_BUFFER_TYPE, {}, &reply) || (buft_id = reply_u64(reply)) == 0) {
+        harness_abort("no buffer type");
+    }
+}
+
+// Moves to a new client (a context id of its own) when the current one could not be given `wanted`
+// more buffer ids. The old client holds no buffer between inputs; it is left to the library.
+void client_for(size_t wanted) {
+    if (ids_given + wanted <= ids_per_client) {
+        return;
+    }
+    client_ctx++;
+    ids_given = 0;
+    fetch_buffer_type();
+    fprintf(stderr, "apir-graph-fuzz: client %u, the last one's buffer ids given\n", client_ctx);
+}
+
 
 }  // namespace
 
@@ -574,16 +613,15 @@ extern "C" int LLVMFuzzerInitialize(int *, char ***) {
     if (auto set = (set_size_fn) dlsym(RTLD_DEFAULT, "apir_backend_set_shmem_size_callback")) {
         set(shmem_size);
     }
-    if (apir_backend_initialize(CTX, &callbacks) != LOAD_LIBRARY_OK) {
+    if (apir_backend_initialize(client_ctx, &callbacks) != LOAD_LIBRARY_OK) {
         fprintf(stderr, "apir-graph-fuzz: apir_backend_initialize(%s) failed\n", ggml_library.c_str());
         abort();
     }
-    std::vector<uint8_t> reply;
-    if (!call(CMD_GET_BUFFER_TYPE, {}, &reply) || (buft_id = reply_u64(reply)) == 0) {
-        fprintf(stderr, "apir-graph-fuzz: no buffer type\n");
-        abort();
-    }
+    fetch_buffer_type();
     keep_backend = getenv("GFUZZ_KEEP_BACKEND") != nullptr;
+    if (const char * ids = getenv("GFUZZ_IDS_PER_CLIENT")) {
+        ids_per_client = std::min<uint64_t>(strtoull(ids, nullptr, 10), IDS_PER_CLIENT);
+    }
     library_bck  = (ggml_backend_t *) dlsym(RTLD_DEFAULT, "bck");
     library_dev  = (ggml_backend_dev_t *) dlsym(RTLD_DEFAULT, "dev");
     if (!keep_backend && (!library_bck || !library_dev)) {
@@ -605,6 +643,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
     }
     const bool wide  = size > 0 && (data[0] & 1);
     const bool delta = size > 0 && (data[0] & 2);
+    client_for(g.sizes.size());  // before the features, which are the client's
     if (wide || delta) {
         set_features(FEATURE_GRAPH_RUN | (wide ? FEATURE_WIDE : 0) | (delta ? FEATURE_GRAPH_DELTA : 0));
     }
@@ -617,9 +656,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         alloc.put((uint64_t) g.sizes[b]);
         std::vector<uint8_t> reply;
         uint64_t             buffer = 0;
-        if (!call(CMD_ALLOC_BUFFER, alloc.bytes, &reply) || (buffer = reply_u64(reply)) == 0) {
-            fprintf(stderr, "apir-graph-fuzz: a buffer of %zu bytes was refused\n", g.sizes[b]);
-            abort();
+        const bool given = call(CMD_ALLOC_BUFFER, alloc.bytes, &reply) && (buffer = reply_u64(reply)) != 0;
+        ids_given++;
+        if (!given) {
+            harness_abort(("a buffer of " + std::to_string(g.sizes[b]) + " bytes was refused").c_str());
         }
         buffers.push_back(buffer);
 
@@ -632,8 +672,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t * data, size_t size) {
         set.put((uint64_t) 0);
         set.put((uint64_t) g.sizes[b]);
         if (!call(CMD_SET_TENSOR, set.bytes)) {
-            fprintf(stderr, "apir-graph-fuzz: set_tensor of a whole buffer was refused\n");
-            abort();
+            harness_abort("set_tensor of a whole buffer was refused");
         }
     }
     fresh_backend();
