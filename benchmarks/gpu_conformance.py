@@ -54,15 +54,32 @@ def series_digest(folder: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def op_names(src: Path) -> list[str]:
-    """The op names test-backend-ops filters on (ggml_op_desc): ggml.c's op, unary and GLU name tables."""
-    text = (src / "ggml/src/ggml.c").read_text()
+def _name_table(text: str, table: str) -> list[str]:
+    body = re.search(rf"static const char \* {table}\[[A-Z_]+\] = \{{(.*?)\}};", text, re.S)
+    if body is None:
+        raise RuntimeError(f"no {table} in ggml.c")
+    return re.findall(r'"([A-Z0-9_]+)"', body.group(1))
+
+
+def case_names(src: Path, unary: list[str]) -> list[str]:
+    """The names test-backend-ops gives its cases of fused and whole graphs (its op_desc overrides:
+    MUL_MAT_HADAMARD, ADD_RMS_NORM, LLAMA, ...), which `-o` matches exactly, so an op's own name never
+    selects them. A suffix ("_MUL" after a unary op's name) is named with every unary op."""
+    text = (src / "tests/test-backend-ops.cpp").read_text()
     names: list[str] = []
-    for table in ("GGML_OP_NAME", "GGML_UNARY_OP_NAME", "GGML_GLU_OP_NAME"):
-        body = re.search(rf"static const char \* {table}\[[A-Z_]+\] = \{{(.*?)\}};", text, re.S)
-        if body is None:
-            raise RuntimeError(f"no {table} in ggml.c")
-        names += re.findall(r'"([A-Z0-9_]+)"', body.group(1))
+    for body in re.findall(r"std::string op_desc\(ggml_tensor \*(?: t)?\) override \{(.*?)\}", text, re.S):
+        for literal in re.findall(r'"([A-Z0-9_]+)"', body):
+            names += [u + literal for u in unary] if literal.startswith("_") and "unary" in body else [literal]
+    return names
+
+
+def op_names(src: Path) -> list[str]:
+    """The names test-backend-ops filters on: ggml.c's op, unary and GLU name tables (ggml_op_desc), then
+    the names of its composite cases (case_names)."""
+    text = (src / "ggml/src/ggml.c").read_text()
+    unary = _name_table(text, "GGML_UNARY_OP_NAME")
+    names = _name_table(text, "GGML_OP_NAME") + unary + _name_table(text, "GGML_GLU_OP_NAME")
+    names += case_names(src, unary)
     skip = {"NONE", "UNARY", "GLU"}  # NONE has no test; UNARY and GLU are named by their own tables
     ordered = [n for n in SLOW_FIRST if n in names] + [n for n in names if n not in SLOW_FIRST and n not in skip]
     return list(dict.fromkeys(ordered))

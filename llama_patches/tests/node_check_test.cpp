@@ -286,11 +286,11 @@ static void test_mul_mat_of_empty_rows(void) {
 // MUL_MAT with a Hadamard hint: ggml-cpu transforms src1's rows of ne10 floats into the result's rows,
 // which have src0's ne1 elements, so src0 must be square (found by the graph fuzzer, ASan: 4 floats
 // written into a result row of 2)
-static int check_hinted_mul_mat(int64_t n, int64_t rows, int32_t hint) {
+static int check_hinted_mul_mat(int64_t n, int64_t rows, int32_t hint, ggml_type b_type = GGML_TYPE_F32) {
     ggml_init_params params = { 8 * ggml_tensor_overhead(), nullptr, true };
     ggml_context *   ctx    = ggml_init(params);
     ggml_tensor *    a      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, rows);
-    ggml_tensor *    b      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n, 3);
+    ggml_tensor *    b      = ggml_new_tensor_2d(ctx, b_type, n, 3);
     ggml_tensor *    t      = ggml_mul_mat(ctx, a, b);
     t->op_params[1]         = hint;
     const int result        = ggml_node_check(t);
@@ -307,6 +307,13 @@ static void test_mul_mat_hadamard_hint(void) {
     EXPECT(check_hinted_mul_mat(3, 3, GGML_HINT_SRC0_IS_HADAMARD) == GGML_NODE_CHECK_FAILED,
            "a Hadamard hint on rows of 3 fails");
     EXPECT(check_hinted_mul_mat(4, 4, 7) == GGML_NODE_CHECK_FAILED, "a hint ggml does not have fails");
+    // the transform reads src1 as F32 or F16 (ggml-cpu and ggml-cuda alike), and aborts on any other type
+    EXPECT(check_hinted_mul_mat(4, 4, GGML_HINT_SRC0_IS_HADAMARD, GGML_TYPE_F16) != GGML_NODE_CHECK_FAILED,
+           "a Hadamard transform of F16 rows");
+    EXPECT(check_hinted_mul_mat(4, 4, GGML_HINT_NONE, GGML_TYPE_F16) == GGML_NODE_CHECK_FAILED,
+           "F16 rows times an F32 src0 without the hint fail");
+    EXPECT(check_hinted_mul_mat(4, 4, GGML_HINT_SRC0_IS_HADAMARD, GGML_TYPE_BF16) == GGML_NODE_CHECK_FAILED,
+           "a Hadamard transform of BF16 rows fails");
 }
 
 int main(void) {

@@ -47,7 +47,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(sys.platform != "linux
 
 # ggml.h of the pinned source
 TYPE_F32, TYPE_F16, TYPE_Q4_0, TYPE_Q8_0 = 0, 1, 2, 8
-TYPE_I8, TYPE_I16, TYPE_I32, TYPE_I64, TYPE_F64 = 24, 25, 26, 27, 28
+TYPE_I8, TYPE_I16, TYPE_I32, TYPE_I64, TYPE_F64, TYPE_BF16 = 24, 25, 26, 27, 28, 30
 OP_NORM, OP_RMS_NORM, OP_SCALE, OP_CPY = 24, 25, 32, 34
 OP_SET_ROWS, OP_SOFT_MAX, OP_ROPE, OP_FLASH_ATTN_EXT = 42, 46, 48, 74
 OP_GLU, GLU_SWIGLU_CLAMP = 100, 6
@@ -215,13 +215,14 @@ def mul_mat_src0(type_: int, size: int) -> Callable[[Layout], Graph]:
     return build
 
 
-def mul_mat_hadamard(rows: int) -> Callable[[Layout], Graph]:
+def mul_mat_hadamard(rows: int, b_type: int = TYPE_F32) -> Callable[[Layout], Graph]:
     """A [4,`rows`] times B [4,3] with the Hadamard hint (op parameter 1): ggml-cpu then writes B's
-    rows of 4 floats, transformed, into result rows of `rows` elements."""
+    rows of 4 values (F32 or F16), transformed, into result rows of `rows` elements."""
 
     def build(lay: Layout) -> Graph:
         a = lay.t((4, rows), TYPE_F32, contiguous((4, rows), 4))
-        b = lay.t((4, 3), TYPE_F32, contiguous((4, 3), 4))
+        size = 4 if b_type == TYPE_F32 else 2
+        b = lay.t((4, 3), b_type, contiguous((4, 3), size))
         return lay.node(lay.t((rows, 3), TYPE_F32, contiguous((rows, 3), 4), OP_MUL_MAT, [a, b], [0, 1]))
 
     return build
@@ -294,6 +295,8 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "rope-vision-of-the-third-section-alone": rope_multi((0, 0, 4, 0), mode=24, n_dims=8),
     # the Hadamard hint makes ggml-cpu transform B's rows into the result's, which are shorter here
     "mul-mat-with-a-hadamard-hint-and-src0-not-square": mul_mat_hadamard(2),
+    # the transform reads F32 or F16 rows; ggml-cpu aborts on any other type
+    "mul-mat-with-a-hadamard-hint-over-bf16-rows": mul_mat_hadamard(4, TYPE_BF16),
 }
 
 
@@ -335,6 +338,7 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "rope-multimodal-of-sections-in-the-row": rope_multi((4, 2, 2, 0)),
     "rope-vision-of-two-sections-over-half-the-row": rope_multi((2, 2, 0, 0), mode=24, n_dims=8),
     "mul-mat-with-a-hadamard-hint-and-a-square-src0": mul_mat_hadamard(4),
+    "mul-mat-with-a-hadamard-hint-over-f16-rows": mul_mat_hadamard(4, TYPE_F16),
 }
 
 

@@ -254,6 +254,10 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         "mul-mat-with-a-hadamard-hint-and-src0-not-square": ([3], [
             s.at(1, F32, [4, 2], 0), s.at(2, F32, [4, 3], 4096),
             s.at(3, F32, [2, 3], 8192, op=OP_MUL_MAT, src=[1, 2], params=[0, 1])]),
+        # the transform reads F32 or F16 rows of B; ggml-cpu aborts on any other type (BF16 here)
+        "mul-mat-with-a-hadamard-hint-over-bf16-rows": ([3], [
+            s.at(1, F32, [4, 4], 0), s.at(2, BF16, [4, 3], 4096),
+            s.at(3, F32, [4, 3], 8192, op=OP_MUL_MAT, src=[1, 2], params=[0, 1])]),
         # with sections, but one position a token where the kernels read four: past the positions
         "rope-multimodal-of-one-position-a-token": ([3], [
             s.at(1, F32, [16, 1, 1], 0), s.at(2, I32, [1], 4096),
@@ -342,7 +346,8 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "unary-of-a-transposed-source", "mul-mat-id-of-a-transposed-source", "cpy-from-f64-into-f32",
                 "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit", "rope-multimodal-without-sections",
                 "rope-multimodal-of-one-position-a-token", "mul-mat-of-rows-of-no-elements",
-                "mul-mat-with-a-hadamard-hint-and-src0-not-square", "rope-vision-of-the-third-section-alone"]
+                "mul-mat-with-a-hadamard-hint-and-src0-not-square", "rope-vision-of-the-third-section-alone",
+                "mul-mat-with-a-hadamard-hint-over-bf16-rows"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]

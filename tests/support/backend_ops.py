@@ -12,9 +12,11 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# the ops a Llama, Qwen or Gemma graph uses, as test-backend-ops names them (`-o`)
+# the ops a Llama, Qwen or Gemma graph uses, as test-backend-ops names them (`-o`); MUL_MAT_HADAMARD is
+# its name for the matrix products llama.cpp hints as Hadamard transforms (a rotated KV cache's), which
+# `-o MUL_MAT` does not select
 OPS = ("GET_ROWS", "MUL_MAT", "MUL_MAT_ID", "ADD", "MUL", "SCALE", "RMS_NORM", "NORM", "ROPE", "SOFT_MAX", "CPY",
-       "CONT", "SET_ROWS", "FLASH_ATTN_EXT", "SWIGLU", "GEGLU", "SILU", "GELU")
+       "CONT", "SET_ROWS", "FLASH_ATTN_EXT", "SWIGLU", "GEGLU", "SILU", "GELU", "MUL_MAT_HADAMARD")
 
 # Per op, the cases run (a regex over the case's parameters, test-backend-ops `-p`) where all of them
 # would take too long (MUL_MAT alone has 2275 cases, FLASH_ATTN_EXT 5317; about 0.2 to 1 s each here):
