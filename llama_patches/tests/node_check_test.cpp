@@ -316,9 +316,33 @@ static void test_mul_mat_hadamard_hint(void) {
            "a Hadamard transform of BF16 rows fails");
 }
 
+// ggml_cpy's result is a view of its destination, strides included: ggml-cpu's dequantizing copy writes
+// the result from its own address at the destination's strides (found by the graph fuzzer: a result of
+// other strides than its destination's asserted in ggml-cpu, or wrote past the result's extent)
+static int check_dequantizing_cpy(size_t result_nb1) {
+    ggml_init_params params = { 8 * ggml_tensor_overhead(), nullptr, true };
+    ggml_context *   ctx    = ggml_init(params);
+    ggml_tensor *    a      = ggml_new_tensor_2d(ctx, GGML_TYPE_Q8_0, 32, 2);
+    ggml_tensor *    b      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 32, 2);
+    ggml_tensor *    t      = ggml_cpy(ctx, a, b);
+    t->nb[1]                = result_nb1;
+    t->nb[2] = t->nb[3] = 2 * result_nb1;
+    const int result        = ggml_node_check(t);
+    ggml_free(ctx);
+    return result;
+}
+
+static void test_cpy_result_strides(void) {
+    EXPECT(check_dequantizing_cpy(32 * sizeof(float)) != GGML_NODE_CHECK_FAILED,
+           "a dequantizing CPY into its destination's strides");
+    EXPECT(check_dequantizing_cpy(64 * sizeof(float)) == GGML_NODE_CHECK_FAILED,
+           "a CPY whose result has other strides than its destination fails");
+}
+
 int main(void) {
     test_mul_mat_of_empty_rows();
     test_mul_mat_hadamard_hint();
+    test_cpy_result_strides();
     test_room();
     test_op_desc();
     test_glu_limit();

@@ -228,6 +228,19 @@ def mul_mat_hadamard(rows: int, b_type: int = TYPE_F32) -> Callable[[Layout], Gr
     return build
 
 
+def cpy_dequantized(result_strides: tuple[int, int, int, int] | None) -> Callable[[Layout], Graph]:
+    """A Q8_0 [32,2] dequantized by CPY into F32 rows 1024 bytes apart, the result at its destination's
+    strides or at `result_strides`: ggml-cpu's dequantizing copy writes the result from its own address
+    at its destination's (src[1]'s) strides."""
+
+    def build(lay: Layout) -> Graph:
+        a = lay.t((32, 2), TYPE_Q8_0, (34, 34, 68, 68), extent=68)
+        b = lay.t((32, 2), TYPE_F32, (4, 1024, 2048, 2048), extent=1024 + 128)
+        return lay.node(lay.t((32, 2), TYPE_F32, result_strides or b.nb, OP_CPY, [a, b], at=b.offset))
+
+    return build
+
+
 def f16_row_op(op: int, params: list[int]) -> Callable[[Layout], Graph]:
     def build(lay: Layout) -> Graph:
         a = lay.t((16, 2), TYPE_F16, contiguous((16, 2), 2))
@@ -297,6 +310,9 @@ FINDINGS: dict[str, Callable[[Layout], Graph]] = {
     "mul-mat-with-a-hadamard-hint-and-src0-not-square": mul_mat_hadamard(2),
     # the transform reads F32 or F16 rows; ggml-cpu aborts on any other type
     "mul-mat-with-a-hadamard-hint-over-bf16-rows": mul_mat_hadamard(4, TYPE_BF16),
+    # found by the graph fuzzer (ggml-cpu asserted its destination's rows packed; with them packed, it
+    # writes past the result's extent): the result of a CPY has its destination's strides
+    "cpy-dequantized-at-strides-other-than-its-destination": cpy_dequantized(contiguous((32, 2), 4)),
 }
 
 
@@ -339,6 +355,7 @@ LEGIT: dict[str, Callable[[Layout], Graph]] = {
     "rope-vision-of-two-sections-over-half-the-row": rope_multi((2, 2, 0, 0), mode=24, n_dims=8),
     "mul-mat-with-a-hadamard-hint-and-a-square-src0": mul_mat_hadamard(4),
     "mul-mat-with-a-hadamard-hint-over-f16-rows": mul_mat_hadamard(4, TYPE_F16),
+    "cpy-dequantized-into-rows-apart": cpy_dequantized(None),
 }
 
 

@@ -254,6 +254,11 @@ def hostile_graphs(s: Session) -> dict[str, tuple[list[int], list[bytes]]]:
         "mul-mat-with-a-hadamard-hint-and-src0-not-square": ([3], [
             s.at(1, F32, [4, 2], 0), s.at(2, F32, [4, 3], 4096),
             s.at(3, F32, [2, 3], 8192, op=OP_MUL_MAT, src=[1, 2], params=[0, 1])]),
+        # the result of a CPY has its destination's strides: ggml-cpu's dequantizing copy writes the result
+        # from its own address at src[1]'s strides (found by the graph fuzzer, an assert in the APIR host)
+        "cpy-dequantized-at-strides-other-than-its-destination": ([2], [
+            s.at(1, Q8_0, [32, 2], 0), s.at(2, F32, [32, 2], 8192, op=OP_CPY, src=[1, 3]),
+            s.at(3, F32, [32, 2], 8192, nb=[4, 1024, 2048, 2048])]),
         # the transform reads F32 or F16 rows of B; ggml-cpu aborts on any other type (BF16 here)
         "mul-mat-with-a-hadamard-hint-over-bf16-rows": ([3], [
             s.at(1, F32, [4, 4], 0), s.at(2, BF16, [4, 3], 4096),
@@ -347,7 +352,7 @@ KERNEL_CASES = ["cpy-to-a-type-without-conversion", "mul-mat-of-unsupported-type
                 "empty-cpy-of-huge-rows", "swiglu-clamp-of-a-negative-limit", "rope-multimodal-without-sections",
                 "rope-multimodal-of-one-position-a-token", "mul-mat-of-rows-of-no-elements",
                 "mul-mat-with-a-hadamard-hint-and-src0-not-square", "rope-vision-of-the-third-section-alone",
-                "mul-mat-with-a-hadamard-hint-over-bf16-rows"]
+                "mul-mat-with-a-hadamard-hint-over-bf16-rows", "cpy-dequantized-at-strides-other-than-its-destination"]
 INDEX_CASES = ["mul-mat-id-with-an-expert-id-out-of-range", "get-rows-with-an-index-out-of-range",
                "set-rows-with-an-index-out-of-range", "mul-mat-id-with-a-computed-expert-id-out-of-range",
                "get-rows-with-indices-rewritten-out-of-range-after-a-first-read"]
