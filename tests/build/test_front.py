@@ -5,6 +5,7 @@ and exit status pass through, and bad arguments are refused."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -53,8 +54,9 @@ def door(front: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[by
     """The front on a free port, the echo server behind it as its child; yields its base URL."""
     listen, upstream = free_port(), free_port()
     (tmp_path / "echo.py").write_text(ECHO)
+    # a session of its own: the echo server (the front's child) ends with it, whatever the test did
     proc = subprocess.Popen([str(front), "--listen", str(listen), "--upstream", str(upstream), "--model", "second",
-                             "--", sys.executable, str(tmp_path / "echo.py"), str(upstream)])
+                             "--", sys.executable, str(tmp_path / "echo.py"), str(upstream)], start_new_session=True)
     base = f"http://127.0.0.1:{listen}"
 
     def answers() -> bool:
@@ -70,6 +72,17 @@ def door(front: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[by
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        wait_for("the echo server to end with its front", lambda: not _group_alive(proc.pid), timeout=30)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _echo(response: httpx.Response) -> dict[str, object]:
