@@ -793,20 +793,29 @@ class Runner:
         self.results["env"]["virtgpu_device"] = names[0]
         return names[0]
 
-    @contextlib.contextmanager
-    def apir_host(self, trace: Path, log_name: str = "apir-host.log") -> Iterator[Path]:
-        """apir-host over the GPU library (the CPU one with --device CPU) on a socket in a private
-        directory (0700: apir-host refuses one that others can write), writing `trace`; yields the socket."""
+    def apir_host_command(self, sock: Path, trace: Path, region_fd: int | None = None) -> tuple[list[str], str, str]:
+        """apir-host's command line over the GPU library (the CPU one with --device CPU), listening on
+        `sock` and writing `trace`, with the resources in the region of `region_fd` (a VM's); with the
+        library and its registration function."""
         if self.args.device.upper() == "CPU":
             library, reg = "libggml-cpu.so", "ggml_backend_cpu_reg"
         else:
             library, reg = "libggml-cuda.so", "ggml_backend_cuda_reg"
-        private = Path(tempfile.mkdtemp(prefix="apirc-"))  # short: a socket path has 107 bytes at most
-        sock = private / "apir.sock"
-        trace.unlink(missing_ok=True)  # apir-host appends
         args = [str(self.bin / "apir-host"), "--socket", str(sock), "--backend-library",
                 str(self.bin / "libggml-virtgpu-backend.so"), "--ggml-library", str(self.bin / library),
                 "--ggml-reg", reg, "--trace", str(trace)]
+        if region_fd is not None:
+            args += ["--region-fd", str(region_fd)]
+        return args, library, reg
+
+    @contextlib.contextmanager
+    def apir_host(self, trace: Path, log_name: str = "apir-host.log") -> Iterator[Path]:
+        """apir-host over the GPU library (the CPU one with --device CPU) on a socket in a private
+        directory (0700: apir-host refuses one that others can write), writing `trace`; yields the socket."""
+        private = Path(tempfile.mkdtemp(prefix="apirc-"))  # short: a socket path has 107 bytes at most
+        sock = private / "apir.sock"
+        trace.unlink(missing_ok=True)  # apir-host appends
+        args, library, reg = self.apir_host_command(sock, trace)
         log = self.logs / log_name
         with log.open("a") as fh:
             fh.write(f"$ {' '.join(args)}\n")

@@ -382,11 +382,7 @@ class VmPart:
             env |= region.backend_env()
             ready = None
         else:
-            library, reg = ("libggml-cpu.so", "ggml_backend_cpu_reg") if r.args.device.upper() == "CPU" else \
-                ("libggml-cuda.so", "ggml_backend_cuda_reg")
-            args = [str(r.bin / "apir-host"), "--socket", str(sock), "--backend-library",
-                    str(r.bin / "libggml-virtgpu-backend.so"), "--ggml-library", str(r.bin / library),
-                    "--ggml-reg", reg, "--trace", str(trace), "--region-fd", str(region.fd)]
+            args = r.apir_host_command(sock, trace, region.fd)[0]
             ready = f"apir-host: listening on {sock}".encode()
         with log.open("a") as fh:
             fh.write(f"$ {' '.join(args)}\n")
@@ -413,17 +409,7 @@ class VmPart:
         """apirctl's relay between QEMU's chardev socket and the host process, in a thread."""
         from apirctl.vm import relay
 
-        deadline = time.monotonic() + 30
-        while True:
-            guest = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                guest.connect(str(guest_socket))
-                break
-            except OSError:
-                guest.close()
-                if time.monotonic() > deadline or not _alive(qemu_pid):
-                    raise
-                time.sleep(0.05)
+        guest = relay.connect_guest(guest_socket, qemu_pid, 30)
         kind, binary = ("rpc backend", "ggml-rpc-server") if remoting == "rpc" else ("apir-host", "apir-host")
         backend = relay.Backend(kind, binary, host.pid, sock, log, remoting == "rpc", lambda: stop(host))
         thread = threading.Thread(target=relay.Relay(guest, backend).run, daemon=True)

@@ -341,7 +341,7 @@ def _running(pid: int) -> bool:
     return state is not None and state[0] not in ("Z", "X")
 
 
-def _connect(path: Path, qemu_pid: int, timeout: float) -> socket.socket:
+def connect_guest(path: Path, qemu_pid: int, timeout: float) -> socket.socket:
     """QEMU's chardev socket; given up on at once when QEMU is gone (a VM killed as it started)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     guest = None
     why = "its relay ended"
     try:
-        guest = _connect(args.guest, args.qemu_pid, CONNECT_TIMEOUT)
+        guest = connect_guest(args.guest, args.qemu_pid, CONNECT_TIMEOUT)
     except OSError as exc:
         why = f"no guest stream at {args.guest}: {exc}"
     finally:
