@@ -528,9 +528,12 @@ struct builder {
         int     b;
         if (r.chance(3)) {
             // the same elements in another shape (ggml_cpy only asks for the same count)
-            int64_t n = g.t[a].ne[0] * g.t[a].ne[1] * g.t[a].ne[2] * g.t[a].ne[3];
+            // (a source of zero strides may count more elements than int64_t holds: then the same shape)
+            int64_t    n = 1;
+            const bool wraps = __builtin_mul_overflow(g.t[a].ne[0], g.t[a].ne[1], &n) ||
+                               __builtin_mul_overflow(n, g.t[a].ne[2], &n) || __builtin_mul_overflow(n, g.t[a].ne[3], &n);
             int64_t d0 = blocks(dt, 1 + r.u8() % 64);
-            b          = n % d0 == 0 ? leaf(dt, d0, n / d0) : leaf(dt, g.t[a].ne[0], g.t[a].ne[1], g.t[a].ne[2]);
+            b          = !wraps && n % d0 == 0 ? leaf(dt, d0, n / d0) : leaf(dt, g.t[a].ne[0], g.t[a].ne[1], g.t[a].ne[2]);
         } else {
             b = source(dt, g.t[a].ne[0], g.t[a].ne[1], g.t[a].ne[2], 1);
         }
