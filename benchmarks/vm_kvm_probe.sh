@@ -57,6 +57,11 @@ for variant in "${VARIANTS[@]}"; do
     boot "$name" "$kernel" "$extra" $qemu &
 done
 wait
+# what a results file needs: when, the machine, and which kit (its series and kernel)
+echo "probe: $(date -u +%FT%TZ); CPU:$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-) x $(nproc);" \
+    "GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -n 1 || true)"
+echo "kit: series $(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["patch_digest"])' \
+    "$KIT/kit.json"); vmlinuz sha256 $(sha256sum "$KIT/vmlinuz" | cut -c1-16); probe seconds: $T"
 echo "kernel: $(uname -r); /dev/kvm: $(ls -l /dev/kvm 2>&1); $("$Q/bin/qemu-system-x86_64" --version | head -1)"
 # which KVM: kvm_intel or kvm_amd boot ordinary guests; kvm_pvm (apirctl.vm.accel's PVM) only PVM guests
 echo "KVM modules: $(cd /sys/module && ls -d kvm* 2>/dev/null | tr '\n' ' '); CPU virtualization flags:" \
