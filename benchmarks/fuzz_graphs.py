@@ -442,7 +442,8 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "arch": platform.machine(), "kernel": platform.release()},
         "patch_digest": digest, "patches": names, "upto": args.upto or None, "local_change": args.local_change or None,
-        "harness_digest": graph_build.harness_digest(),
+        # the harness the fuzzers were built from: a pack's own, which may predate this checkout's
+        "harness_digest": packed.get("harness_digest") or graph_build.harness_digest(),
         "corpus": {"files": len(corpus), "bytes": sum(p.stat().st_size for p in corpus),
                    "digest": hashlib.sha256(b"".join(p.read_bytes() for p in corpus)).hexdigest()[:12],
                    "folder": "tests/apir/graph_fuzz/corpus"},

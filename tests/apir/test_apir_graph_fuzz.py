@@ -13,11 +13,13 @@ is benchmarks/fuzz_graphs.py; its figures are in docs/reliability.md.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -240,3 +242,30 @@ def test_the_rpc_harness_runs_on_through_signals(fuzzers: dict[str, Path], tmp_p
     assert proc.returncode == 0 and "fresh connection failed" not in text, text[-3000:]
     counted = campaign.read_counts(counts)
     assert signals >= 50 and counted.computed >= len(list(campaign.CORPUS.iterdir())) - 2, (signals, counted)
+
+
+@pytest.mark.integration
+def test_a_campaign_of_packed_fuzzers_names_the_harness_they_were_built_from(fuzzers: dict[str, Path],
+                                                                             sanitized_ggml, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A pack travels to the GPU machine and may be older than the checkout that runs it (the generator's
+    own fix came after one): the results file names the pack's harness digest, not the checkout's, and
+    says that they differ, so that a docs figure can tell which generator computed its graphs."""
+    script = campaign.HERE.parents[2] / "benchmarks" / "fuzz_graphs.py"
+    pack = tmp_path / "pack"
+    done = subprocess.run([sys.executable, str(script), "--build-dir", str(sanitized_ggml.root), "--pack", str(pack),
+                           "--hosts", "apir_graph_fuzz"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    manifest = json.loads((pack / "manifest.json").read_text())
+    assert manifest["harness_digest"] == graph_build.harness_digest()
+    older = "0123456789ab"  # as if packed from an earlier harness
+    (pack / "manifest.json").write_text(json.dumps({**manifest, "harness_digest": older}))
+    results = tmp_path / "results"
+    done = subprocess.run([sys.executable, str(script), "--prebuilt", str(pack), "--work", str(tmp_path / "work"),
+                           "--hosts", "apir_graph_fuzz", "--campaign", "--workers", "1", "--graphs", "200",
+                           "--max-total-time", "60", "--seed", "3", "--label", "packed", "--results-dir",
+                           str(results)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the packed harnesses are not this checkout's" in done.stderr
+    written = json.loads(next(results.glob("fuzz_graphs-*-packed.json")).read_text())
+    assert written["harness_digest"] == older and written["packed"]["harness_digest"] == older
+    assert written["hosts"]["apir_graph_fuzz"]["graphs_computed"] >= 1
