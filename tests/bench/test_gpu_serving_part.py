@@ -1,0 +1,42 @@
+"""benchmarks/gpu_remoting.py's `serving` part (benchmarks/gpu_serving.py), run here end to end on the
+CPU: the build's real llama-server natively, and as a client in a network namespace over ggml-rpc's
+shared memory and over apir-host, each loaded by real streaming HTTP requests, with the rows, ratios,
+step counts and the APIR host's trace the GPU machine's results files hold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from apirctl.build import llamacpp
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_serving_part_measures_native_rpc_and_apir_side_by_side(llama_build: llamacpp.Build,
+                                                                     demo_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_remoting.py"), "--sdist", str(tmp_path / "unused.tar.gz"),
+         "--prebuilt", str(llama_build.bin_dir.parent), "--model", str(demo_model), "--shapes", "demo",
+         "--work", str(tmp_path / "work"), "--out", str(out), "--parts", "serving", "--device", "CPU",
+         "--server-threads", "1", "--concurrency", "2", "--serving-seconds", "4", "--serving-rounds", "1",
+         "--serving-paths", "rpc", "apir", "--deadline", "500"],
+        capture_output=True, text=True, timeout=600, check=False)
+    results = json.loads((out / "results.json").read_text())
+    level = results["serving"]["demo"]["levels"].get("2")
+    assert level is not None, f"{results['steps']}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    assert [row["row"] for row in level["sequence"]] == ["native", "rpc", "apir", "native"]
+    for row in level["sequence"]:
+        assert row["errors"] == 0 and row["tokens_per_s"] > 0 and row["requests_started"] >= 2, row
+        assert row["steps"]["steps"] > 0 and row["steps"]["ms_per_step"] > 0, row
+    for key in ("rpc", "apir"):
+        assert level[key]["ratio"] > 0 and level[f"{key}_ratio_range"] == [level[key]["ratio"]] * 2
+    trace = level["apir"]["host_trace"]
+    assert trace["computes"] > 0 and trace["host_ms_per_compute"] > 0, trace
