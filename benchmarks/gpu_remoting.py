@@ -1121,6 +1121,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serving-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir", "apir-exact"],
                     help="`serving`: the remoting rows beside native (apir-exact: APIR with the frontend's "
                          "answers kept per exact shape, GGML_VIRTGPU_OP_CLASSES=0, as before patch 0020)")
+    ap.add_argument("--serving-rpc-profile", action="store_true",
+                    help="`serving`: after each level's rounds, one rpc row more through a pair started for it "
+                         "with GGML_RPC_PROFILE=1 on both ends, its profile under the level's `rpc_profiled`")
     ap.add_argument("--multi-counts", type=int, nargs="+", default=[1, 2, 4], help="`multi`: servers at once")
     ap.add_argument("--mps", choices=["off", "on", "both"], default="off",
                     help="`multi`: time-sliced (off), under CUDA MPS (on), or both in turn")

@@ -10,7 +10,9 @@ concurrency (1, 8, 32), the rows run in turn, native first and again last, each 
 shares, 128 tokens generated, end-of-sequence ignored), and another when one ends. Counted over the
 row's window: generated tokens per second (every streamed token that arrived in it), time to first token
 of the requests that started in it (p50, p95), finished requests and errors. Each remoting row is
-reported over the mean of the native rows around it.
+reported over the mean of the native rows around it. With `--serving-rpc-profile`, each level ends with
+one more rpc row through a pair of its own run with `GGML_RPC_PROFILE=1`: both ends' figures per
+command and phase (`rpc_profiled`), which the shared rpc server cannot give per row.
 
 `multi`: N servers at once (N = 1, 2, 4; one slot each), each its own process with its own CUDA
 context, natively; then N remoting clients each with its own ggml-rpc-server (one backend per
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import apir_serving_windows
+import rpc_profile
 from gpu_harness import NO_GPU, NS, VETH_NS, stop
 
 if TYPE_CHECKING:
@@ -272,6 +275,37 @@ class Serving:
                                    self.namespace()) as addr:
                 yield addr
 
+    def rpc_profile_row(self, shape: str, level: int) -> dict:
+        """One more rpc row of the level, through a client and a server started for it with
+        `GGML_RPC_PROFILE=1` (patch 0004): both ends print where a connection's time went when it
+        closes, so the pair lives for this row alone (its model's loading and warm-up are in the
+        connection's figures too, and its SET_TENSOR calls are mostly the loading's). Per step:
+        the connection's graph computes and recomputes and their milliseconds, the server's wait for
+        the next command, and the client's send, reply wait and reply data; with the row's own
+        tokens and steps, read against the level's native rows by the reader."""
+        r = self.runner
+        name = f"{shape}-rpc-profile-c{level}"
+        unix = f"unix:{r.work / f'serve-profile-{level}.sock'}"
+        profiled = {"GGML_RPC_PROFILE": "1"}
+        logs = [r.logs / f"llama-server-{name}.log", r.logs / f"rpc-server-{name}.log"]
+
+        def profiles() -> dict[str, dict]:
+            return rpc_profile.parse_connections("\n".join(log.read_text(errors="replace") for log in logs))
+
+        with r.server(unix, env_extra=profiled, log_name=logs[1].name):
+            with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + 20, SLOTS, ["--rpc", unix], NO_GPU | profiled,
+                                   self.namespace()) as addr:
+                counted = server_counters(*addr)
+                row = {"row": "rpc_profiled", **Streams([addr], level, self.seconds).run().as_dict()}
+                row["steps"] = step_figures(counted, server_counters(*addr), self.seconds)
+            # the server prints a connection's figures once it sees the client gone: before it is stopped
+            until = time.monotonic() + 20
+            while "GRAPH_COMPUTE" not in profiles().get("server", {}).get("entries", {}) and time.monotonic() < until:
+                time.sleep(0.2)
+        row["connections"] = profiles()
+        row["per_token"] = rpc_profile.parse("\n".join(log.read_text(errors="replace") for log in logs))
+        return row
+
     # -- serving ------------------------------------------------------------------------
     def serving(self, shape: str) -> None:
         r = self.runner
@@ -294,8 +328,9 @@ class Serving:
             r.log(f"{shape} serving: {len(servers)} servers loaded in {entry['load_s']} s")
             rounds = max(1, r.args.serving_rounds)
             for level in r.args.concurrency:
-                rows_needed = 1 + rounds * len(servers)
-                if r.left() < self.seconds * rows_needed + 20:
+                profiled = r.args.serving_rpc_profile and "rpc" in r.args.serving_paths
+                rows_needed = 1 + rounds * len(servers) + profiled
+                if r.left() < self.seconds * rows_needed + 20 + 60 * profiled:  # the profiled pair loads
                     r.log(f"skip {shape} serving c{level}: {r.left():.0f}s left")
                     break
                 entry["levels"][str(level)] = self.level(shape, servers, level, rounds)
@@ -348,6 +383,8 @@ class Serving:
             ttft = [x["ttft_p50_ratio"] for x in sequence if x["row"] == key and x["ttft_p50_ratio"] is not None]
             out[f"{key}_ratio_range"] = [min(ratios), max(ratios)] if ratios else None
             out[f"{key}_ttft_ratio_range"] = [min(ttft), max(ttft)] if ttft else None
+        if r.args.serving_rpc_profile and "rpc" in r.args.serving_paths:
+            out["rpc_profiled"] = self.rpc_profile_row(shape, level)
         cells = ", ".join(f"{k} {out[f'{k}_ratio_range']} ttft {out[f'{k}_ttft_ratio_range']}"
                           for k in r.args.serving_paths)
         natives_tps = [round(sequence[i]["tokens_per_s"], 1) for i in natives]

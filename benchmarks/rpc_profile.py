@@ -62,6 +62,43 @@ def parse(text: str) -> Timeline:
     return timeline
 
 
+_ALL_WAITING = re.compile(r"RPC profile \((client|server)\): waiting ([\d.]+) ms in all$")
+_ALL_CMD = re.compile(r"RPC profile \((client|server)\): cmd\s+(\d+):\s+(\d+) calls,\s+([\d.]+) ms,")
+_ALL_PHASE = re.compile(r"RPC profile \((client|server)\): phase ([a-z ]+):\s+(\d+) times,\s+([\d.]+) ms,")
+
+
+def parse_connections(text: str) -> dict[str, dict]:
+    """Each side's busiest whole connection (the one with the most graph computes and recomputes: others
+    are probes): the time waiting for the next command, and per command and phase the calls and the
+    milliseconds. Under serving load most steps change the graph, so they are GRAPH_COMPUTE cycles,
+    which the per-token lines (`parse`) leave out; these lines count them."""
+    blocks: list[tuple[str, dict]] = []
+    for line in text.splitlines():
+        if m := _ALL_WAITING.search(line):
+            blocks.append((m.group(1), {"waiting_ms": float(m.group(2)), "entries": {}}))
+            continue
+        found = _ALL_CMD.search(line) or _ALL_PHASE.search(line)
+        if not found or not blocks or blocks[-1][0] != found.group(1):
+            continue
+        name = found.group(2).strip()
+        if name.isdigit():
+            try:
+                name = Command(int(name)).name
+            except ValueError:  # a command newer than this reader
+                name = f"cmd {name}"
+        blocks[-1][1]["entries"][name] = {"calls": int(found.group(3)), "ms": float(found.group(4))}
+
+    def computes(block: dict) -> int:
+        entries = block["entries"]
+        return sum(entries.get(c, {}).get("calls", 0) for c in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"))
+
+    busiest: dict[str, dict] = {}
+    for side, block in blocks:
+        if side not in busiest or computes(block) > computes(busiest[side]):
+            busiest[side] = block
+    return busiest
+
+
 def table(timeline: Timeline) -> str:
     lines = ["side    entry                 per token   us per token"]
     for side in ("client", "server"):

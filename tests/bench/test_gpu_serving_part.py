@@ -27,7 +27,7 @@ def test_the_serving_part_measures_native_rpc_and_apir_side_by_side(llama_build:
          "--prebuilt", str(llama_build.bin_dir.parent), "--model", str(demo_model), "--shapes", "demo",
          "--work", str(tmp_path / "work"), "--out", str(out), "--parts", "serving", "--device", "CPU",
          "--server-threads", "1", "--concurrency", "2", "--serving-seconds", "4", "--serving-rounds", "1",
-         "--serving-paths", "rpc", "apir", "--deadline", "500"],
+         "--serving-paths", "rpc", "apir", "--serving-rpc-profile", "--deadline", "500"],
         capture_output=True, text=True, timeout=600, check=False)
     results = json.loads((out / "results.json").read_text())
     level = results["serving"]["demo"]["levels"].get("2")
@@ -40,3 +40,10 @@ def test_the_serving_part_measures_native_rpc_and_apir_side_by_side(llama_build:
         assert level[key]["ratio"] > 0 and level[f"{key}_ratio_range"] == [level[key]["ratio"]] * 2
     trace = level["apir"]["host_trace"]
     assert trace["computes"] > 0 and trace["host_ms_per_compute"] > 0, trace
+    # the profiled rpc row: a pair of its own, both ends' whole connections, the steps' graph computes
+    profiled = level["rpc_profiled"]
+    assert profiled["row"] == "rpc_profiled" and profiled["errors"] == 0 and profiled["tokens_per_s"] > 0
+    server, client = profiled["connections"]["server"], profiled["connections"]["client"]
+    computes = sum(server["entries"].get(c, {}).get("calls", 0) for c in ("GRAPH_COMPUTE", "GRAPH_RECOMPUTE"))
+    assert computes >= profiled["steps"]["steps"] > 0, profiled
+    assert server["waiting_ms"] > 0 and client["entries"]["reply wait"]["calls"] >= computes, profiled
