@@ -410,24 +410,26 @@ def legit_compute(path: Path) -> None:
         c.close()
 
 
-@pytest.fixture(scope="module")
-def module_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("checks") / "apir"
+@pytest.fixture(scope="module", params=["release", "sanitized"])
+def any_host(request: pytest.FixtureRequest, llama_build: llamacpp.Build,
+             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
+    """apir-host over the CPU library, as built and as built with ASan and UBSan (test_apir_host_native.py's
+    `asan_host`), which stops at its first report."""
+    exe = llama_build.binary("apir-host") if request.param == "release" else request.getfixturevalue("asan_host")
+    d = tmp_path_factory.mktemp(f"checks-{request.param}") / "apir"
     d.mkdir(mode=0o700)
-    return d
-
-
-@pytest.fixture(scope="module")
-def served(llama_build: llamacpp.Build, module_dir: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
-    """One apir-host over the CPU library for every finding: each is sent by a client of its own."""
-    with apir_host(llama_build.binary("apir-host"), llama_build, module_dir) as served:
+    with apir_host(exe, llama_build, d) as served:
         yield served
+        log = served[2].read_text(errors="replace")
+        assert "runtime error:" not in log and "Sanitizer" not in log, log[-3000:]
 
 
 @pytest.mark.parametrize("finding", sorted(FINDINGS))
 def test_a_graph_the_kernels_cannot_compute_is_refused_and_the_host_serves_on(
-        finding: str, served: tuple[subprocess.Popen[bytes], Path, Path]) -> None:
-    host, path, log = served
+        finding: str, any_host: tuple[subprocess.Popen[bytes], Path, Path]) -> None:
+    """Each finding by a client of its own, against the release host and the ASan+UBSan one (`any_host`,
+    which asserts no sanitizer report when its module is done)."""
+    host, path, log = any_host
     before = log.read_text(errors="replace").count(REFUSED_NODE)
     c = ComputeClient(path)
     try:
@@ -444,8 +446,9 @@ def test_a_graph_the_kernels_cannot_compute_is_refused_and_the_host_serves_on(
 
 @pytest.mark.parametrize("graph", sorted(LEGIT))
 def test_the_same_ops_as_ggml_builds_them_are_computed(graph: str,
-                                                      served: tuple[subprocess.Popen[bytes], Path, Path]) -> None:
-    c = ComputeClient(path := served[1])
+                                                      any_host: tuple[subprocess.Popen[bytes], Path, Path]) -> None:
+    """The accepted forms beside the findings, computed through the kernels on both builds of the host."""
+    c = ComputeClient(path := any_host[1])
     try:
         lay = Layout(c.buffer)
         built = LEGIT[graph](lay)
@@ -562,23 +565,11 @@ def test_apirctl_starts_the_host_with_the_containers_memory_limit_as_its_cap(wit
         apir_hosts.stop(host)
 
 
-# --- a result's room, and ops outside ggml's tables, on the release and the sanitized host -----------
+# --- a result's room, and ops outside ggml's tables, on both builds of the host (`any_host`) ---------------
 
 ROOM_BYTES = 4 * 4 * 4  # MUL_MAT's F32 [4,4] result
 
 
-@pytest.fixture(scope="module", params=["release", "sanitized"])
-def any_host(request: pytest.FixtureRequest, llama_build: llamacpp.Build,
-             tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
-    """apir-host over the CPU library, as built and as built with ASan and UBSan (test_apir_host_native.py's
-    `asan_host`), which stops at its first report."""
-    exe = llama_build.binary("apir-host") if request.param == "release" else request.getfixturevalue("asan_host")
-    d = tmp_path_factory.mktemp(f"checks-{request.param}") / "apir"
-    d.mkdir(mode=0o700)
-    with apir_host(exe, llama_build, d) as served:
-        yield served
-        log = served[2].read_text(errors="replace")
-        assert "runtime error:" not in log and "Sanitizer" not in log, log[-3000:]
 
 
 def set_f32(c: ComputeClient, buffer: int, t: Tensor, values: list[float]) -> None:
