@@ -289,8 +289,8 @@ class Serving:
         profiled = {"GGML_RPC_PROFILE": "1"}
         logs = [r.logs / f"llama-server-{name}.log", r.logs / f"rpc-server-{name}.log"]
 
-        def profiles() -> dict[str, dict]:
-            return rpc_profile.parse_connections("\n".join(log.read_text(errors="replace") for log in logs))
+        def text() -> str:
+            return "\n".join(log.read_text(errors="replace") for log in logs)
 
         with r.server(unix, env_extra=profiled, log_name=logs[1].name):
             with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + 20, SLOTS, ["--rpc", unix], NO_GPU | profiled,
@@ -300,10 +300,12 @@ class Serving:
                 row["steps"] = step_figures(counted, server_counters(*addr), self.seconds)
             # the server prints a connection's figures once it sees the client gone: before it is stopped
             until = time.monotonic() + 20
-            while "GRAPH_COMPUTE" not in profiles().get("server", {}).get("entries", {}) and time.monotonic() < until:
+            while ("GRAPH_COMPUTE" not in rpc_profile.parse_connections(text()).get("server", {}).get("entries", {})
+                   and time.monotonic() < until):
                 time.sleep(0.2)
-        row["connections"] = profiles()
-        row["per_token"] = rpc_profile.parse("\n".join(log.read_text(errors="replace") for log in logs))
+        logged = text()
+        row["connections"] = rpc_profile.parse_connections(logged)
+        row["per_token"] = rpc_profile.parse(logged)  # the steps that recomputed the last graph
         return row
 
     # -- serving ------------------------------------------------------------------------

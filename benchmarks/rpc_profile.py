@@ -33,6 +33,14 @@ _PHASE = re.compile(r"phase ([a-z ]+): ([\d.]+) times, ([\d.]+) us per token")
 Timeline = dict[str, dict]
 
 
+def command_name(number: str) -> str:
+    """A command's name as the protocol gives it, or `cmd N` for one newer than this reader."""
+    try:
+        return Command(int(number)).name
+    except ValueError:
+        return f"cmd {number}"
+
+
 def parse(text: str) -> Timeline:
     """The per-token lines in `text`, per side; where several connections generated tokens, the one
     that generated the most (the others are probes and warm-ups)."""
@@ -45,11 +53,7 @@ def parse(text: str) -> Timeline:
         if w := _WAITING.match(rest):
             name, count, us = "waiting", 0.0, float(w.group(1))
         elif c := _CMD.match(rest):
-            try:
-                name = Command(int(c.group(1))).name
-            except ValueError:  # a command newer than this reader
-                name = f"cmd {c.group(1)}"
-            count, us = float(c.group(2)), float(c.group(3))
+            name, count, us = command_name(c.group(1)), float(c.group(2)), float(c.group(3))
         elif p := _PHASE.match(rest):
             name, count, us = p.group(1).strip(), float(p.group(2)), float(p.group(3))
         else:
@@ -82,10 +86,7 @@ def parse_connections(text: str) -> dict[str, dict]:
             continue
         name = found.group(2).strip()
         if name.isdigit():
-            try:
-                name = Command(int(name)).name
-            except ValueError:  # a command newer than this reader
-                name = f"cmd {name}"
+            name = command_name(name)
         blocks[-1][1]["entries"][name] = {"calls": int(found.group(3)), "ms": float(found.group(4))}
 
     def computes(block: dict) -> int:
