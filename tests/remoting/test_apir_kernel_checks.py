@@ -570,8 +570,6 @@ def test_apirctl_starts_the_host_with_the_containers_memory_limit_as_its_cap(wit
 ROOM_BYTES = 4 * 4 * 4  # MUL_MAT's F32 [4,4] result
 
 
-
-
 def set_f32(c: ComputeClient, buffer: int, t: Tensor, values: list[float]) -> None:
     data = struct.pack(f"<{len(values)}f", *values)
     c.maps[DATA_RES][0:len(data)] = data
