@@ -20,6 +20,11 @@ and answers RESULT_DELTA_REFUSED (the graph dropped, the frontend sends it whole
 
 EXT_GRAPH_RUN is a generated token's whole exchange in one call: the writes of its inputs, the
 graph (sent once, then named by the client's id), and its outputs copied into shared memory.
+
+FEATURE_TENSORS_GET (llama_patches 0028) offers EXT_TENSORS_GET: the reads a frontend's backend was asked
+for before its synchronize (a state save's K and V, a layer each), in one call. Each read is a `Write`
+record the other way: `size` bytes of the tensor at `offset`, copied to `data_offset` of the request's
+resource, whose offset 0 holds the records. The host checks them all, from a copy, before it makes any.
 """
 
 from __future__ import annotations
@@ -32,14 +37,17 @@ from apirctl.apir.wire import Decoder, Encoder
 GET_FEATURES = 256
 GRAPH_RUN = 257
 GRAPH_DELTA = 258
-NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run", GRAPH_DELTA: "ext_graph_delta"}
+TENSORS_GET = 259
+NAMES = {GET_FEATURES: "ext_get_features", GRAPH_RUN: "ext_graph_run", GRAPH_DELTA: "ext_graph_delta",
+         TENSORS_GET: "ext_tensors_get"}
 
 FEATURE_GRAPH_RUN = 1 << 0
 FEATURE_WIDE_TENSORS = 1 << 1
 FEATURE_OP_CLASSES = 1 << 2
 FEATURE_GRAPH_DELTA = 1 << 3  # granted only with FEATURE_GRAPH_RUN
+FEATURE_TENSORS_GET = 1 << 4
 #: what this library's host grants when asked
-FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES | FEATURE_GRAPH_DELTA
+FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES | FEATURE_GRAPH_DELTA | FEATURE_TENSORS_GET
 
 RESULT_DONE = 0
 RESULT_UNKNOWN_GRAPH = 1
@@ -47,6 +55,7 @@ RESULT_DELTA_REFUSED = 2
 
 MAX_WRITES = 256
 MAX_OUTPUTS = 16
+MAX_READS = 256
 
 
 #: struct apir_graph_run_write: u64 buffer, apir_rpc_tensor, u64 offset, u64 size, u64 data_offset
@@ -179,6 +188,29 @@ class GraphRun:
             raise ValueError(f"{n_outputs} outputs, more than the host takes ({MAX_OUTPUTS})")
         outputs = tuple(Output(dec.u32(), dec.u64()) for _ in range(n_outputs))
         return cls(graph_id, res_id, graph_size, writes_offset, n_writes, out_res_id, outputs, n_changes)
+
+
+@dataclass(frozen=True)
+class TensorsGet:
+    """An EXT_TENSORS_GET request: `n_reads` `Write` records (read the other way) at offset 0 of `res_id`."""
+
+    res_id: int
+    n_reads: int
+
+    def encode(self) -> bytes:
+        enc = Encoder()
+        enc.u32(self.res_id)
+        enc.u32(self.n_reads)
+        return enc.getvalue()
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> TensorsGet:
+        """Raises `ApirDecodeError` on a cut request, ValueError on a count the host refuses."""
+        dec = Decoder(data)
+        res_id, n_reads = dec.u32(), dec.u32()
+        if not 0 < n_reads <= MAX_READS:
+            raise ValueError(f"{n_reads} reads: the host takes 1 to {MAX_READS}")
+        return cls(res_id, n_reads)
 
 
 def decode_graph_run_reply(data: bytes | memoryview) -> tuple[int, int]:

@@ -135,6 +135,9 @@ class Record:
             if self.ok:
                 result, status = extensions.decode_graph_run_reply(self.reply)
                 out["reply"] = {"result": result, "status": status}
+        elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.TENSORS_GET:
+            get = extensions.TensorsGet.decode(rest)
+            out["request"] = {"res_id": get.res_id, "n_reads": get.n_reads}
         elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.GET_FEATURES:
             wanted = extensions.decode_features_request(rest)
             if wanted is not None:
@@ -160,6 +163,16 @@ class Record:
             run = extensions.GraphRun.decode(messages.decode_command(self.request)[3],
                                              delta=self.cmd_flags == extensions.GRAPH_DELTA)
             return run, extensions.decode_graph_run_reply(self.reply)[0]
+        except (ApirDecodeError, ValueError):
+            return None
+
+    def tensors_get(self) -> extensions.TensorsGet | None:
+        """An answered EXT_TENSORS_GET's request, else None (also when it does not decode)."""
+        if not (self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags == extensions.TENSORS_GET
+                and self.ok and len(self.request) >= protocol.COMMAND_HEADER_SIZE):
+            return None
+        try:
+            return extensions.TensorsGet.decode(messages.decode_command(self.request)[3])
         except (ApirDecodeError, ValueError):
             return None
 

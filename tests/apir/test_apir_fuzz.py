@@ -205,3 +205,16 @@ def test_the_delta_seed_reaches_the_graph_delta_command() -> None:
     assert extensions.GraphRun.decode(first_delta[2], delta=True).n_changes == 4
     assert len(first_delta[3]) == 4 * extensions.CHANGE_SIZE == 448
     assert any(f.name.startswith("wide-graph-delta-life-") for f in campaign.CORPUS.iterdir())
+
+
+def test_the_tensors_get_seed_reaches_its_command() -> None:
+    """EXT_TENSORS_GET (llama_patches 0028) has a decoder of its own: a seed takes it with two reads that
+    are made, a batch the host refuses (its second read past the tensor), and a read after a free."""
+    found = seeds_from_trace.seeds(seeds_from_trace.calls_from_trace(trace.read(sample_trace())))
+    calls = calls_of(found["wide-tensors-get-life"])
+    gets = [c for c in calls if c[0] == seeds_from_trace.EXT_TENSORS_GET]
+    assert [extensions.TensorsGet.decode(c[2]).n_reads for c in gets] == [2, 2, 1]
+    assert len(gets[0][3]) == 2 * extensions.WRITE_SIZE_WIDE
+    asks = [c for c in calls if c[0] == seeds_from_trace.EXT_GET_FEATURES]
+    assert asks and struct.unpack("<Q", asks[0][2])[0] & extensions.FEATURE_WIDE_TENSORS
+    assert any(f.name.startswith("wide-tensors-get-life-") for f in campaign.CORPUS.iterdir())

@@ -70,7 +70,7 @@ uint32_t apir_backend_dispatcher(uint32_t ctx_id, apir_fuzz_callbacks * cbs, uin
 namespace {
 
 constexpr uint32_t N_FUNCTIONS         = 23;
-constexpr uint32_t N_EXTENSIONS        = 3;  // after the index check: commands 256, 257, 258
+constexpr uint32_t N_EXTENSIONS        = 4;  // after the index check: commands 256 to 259
 constexpr uint32_t EXT_BASE            = 256;
 constexpr uint32_t FN_GET_BUFFER_TYPE  = 7;
 constexpr uint32_t FN_BUFFER_FROM_PTR  = 9;

@@ -53,8 +53,9 @@ SUPPORTS_OP, GET_BUFFER_TYPE, BUFFER_FROM_PTR = 6, 7, 9
 ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE = 14, 15, 16
 SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR, FREE_BUFFER, GRAPH_COMPUTE = 17, 18, 19, 20, 21, 22
 N_FUNCTIONS = 23
-# the harness's numbers for the extension commands (llama_patches 0013, 0021): 256 to 258 on the wire
+# the harness's numbers for the extension commands (llama_patches 0013, 0021, 0028): 256 to 259 on the wire
 EXT_GET_FEATURES, EXT_GRAPH_RUN, EXT_GRAPH_DELTA = N_FUNCTIONS + 1, N_FUNCTIONS + 2, N_FUNCTIONS + 3
+EXT_TENSORS_GET = N_FUNCTIONS + 4
 # the functions whose request starts with a buffer-type or buffer handle
 HANDLE_FIRST = {10, 11, 12, ALLOC_BUFFER, GET_ALLOC_SIZE, GET_BASE, SET_TENSOR, GET_TENSOR, CPY_TENSOR, CLEAR,
                 FREE_BUFFER}
@@ -406,6 +407,34 @@ def graph_delta_life(buft_call: Call | None) -> list[Call]:
     return out
 
 
+def tensors_get_life(buft_call: Call | None) -> list[Call]:
+    """EXT_TENSORS_GET (wide records): a buffer written, two reads of it in one call, a batch whose second
+    read runs past its tensor (refused, nothing copied), and a read after the buffer was freed."""
+    buft = buft_call.produces[0] if buft_call and buft_call.produces else 0x1000
+    buffer = 0xB0FFE7
+    out = [buft_call] if buft_call else []
+    out.append(features_call(True))
+    out.append(Call(ALLOC_BUFFER, U64.pack(buft) + U64.pack(4096), [0], produces=[buffer], wide=True))
+    t = Tensor((64,), name="k", buffer=buffer, offset=256).to_rpc().to_bytes(True)
+    u = Tensor((64,), name="v", buffer=buffer, offset=1024).to_rpc().to_bytes(True)
+    payload = bytes(range(256))
+    out.append(Call(SET_TENSOR, U64.pack(buffer) + t + U32.pack(RES_DATA) + U64.pack(0) + U64.pack(len(payload)),
+                    [0, 8 + RPC_BUFFER_AT], res=RES_DATA, res_bytes=payload, wide=True))
+
+    def reads(*records: tuple[bytes, int, int]) -> Call:
+        data = b"".join(U64.pack(buffer) + rec + U64.pack(off) + U64.pack(size) + U64.pack(4096 + 256 * i)
+                        for i, (rec, off, size) in enumerate(records))
+        offsets = [i * extensions.WRITE_SIZE_WIDE + at for i in range(len(records)) for at in (0, 8 + RPC_BUFFER_AT)]
+        return Call(EXT_TENSORS_GET, extensions.TensorsGet(RES_GRAPH, len(records)).encode(), res=RES_GRAPH,
+                    res_bytes=data, res_handle_offsets=offsets, wide=True)
+
+    out.append(reads((t, 0, 256), (u, 64, 128)))
+    out.append(reads((t, 0, 256), (u, 128, 256)))
+    out.append(Call(FREE_BUFFER, U64.pack(buffer), [0], wide=True))
+    out.append(reads((t, 0, 64)))
+    return out
+
+
 def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict[str, bytes]:
     """Named seed inputs from the trace's calls."""
     out: dict[str, bytes] = {"session-start": encode_input(calls[:48])}
@@ -430,6 +459,7 @@ def seeds(calls: list[Call], per_function: int = 6, max_chunks: int = 4) -> dict
     out["wide-buffer-life"] = encode_input(buffer_life(buft, wide=True))
     out["wide-graph-run-life"] = encode_input(graph_run_life(buft, wide=True))
     out["wide-graph-delta-life"] = encode_input(graph_delta_life(buft))
+    out["wide-tensors-get-life"] = encode_input(tensors_get_life(buft))
     last_buffer = next((c.produces[0] for c in reversed(calls) if c.fn in (BUFFER_FROM_PTR, ALLOC_BUFFER)
                         and c.produces and c.produces[0]), 0)
     if last_buffer:
