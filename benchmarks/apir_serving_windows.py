@@ -7,11 +7,13 @@ for each call, when the host started it and how long it took (CLOCK_MONOTONIC, t
 - the host's time per compute (`ext_graph_run`, `ext_graph_delta`: the step's graph and its outputs);
 - the client's time between two computes: llama-server's own work (sampling, HTTP), plus what the
   frontend does on its side (copying a step's outputs out of shared memory, encoding);
-- the synchronous `buffer_get_tensor` calls outside computes: llama-server reads a finished
-  request's KV cells into its prompt cache, one call per layer and K or V, and the whole server
-  waits for them. Their cost is the host's time and the client's time from one read to the next
-  (copying the bytes out of shared memory); a gap over `LONG_GAP_MS` is llama-server's own work
-  between two requests' saves and is counted apart;
+- the reads outside computes: llama-server reads a finished request's KV cells into its prompt
+  cache, one read per layer and K or V, and the whole server waits for them: a synchronous
+  `buffer_get_tensor` each, or since patch 0028 one `ext_tensors_get` a save (its reads counted
+  one by one). Their cost is the host's time and the client's time from one read call to the next
+  (copying the bytes out of shared memory; the copy after a save's last call is the client's time
+  before the next compute); a gap over `LONG_GAP_MS` is llama-server's own work between two
+  requests' saves and is counted apart;
 - graphs sent whole against kept graphs named or updated by a delta.
 
 `gpu_serving.py` writes this for every APIR row it runs (`host_trace` in the row). On a trace of an
@@ -39,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from apirctl.apir import trace as apir_trace  # noqa: E402
 
 COMPUTES = ("ext_graph_run", "ext_graph_delta")
-READS = "buffer_get_tensor"
+READS = ("buffer_get_tensor", "ext_tensors_get")
 #: a gap between two reads longer than this is llama-server's work between two saves, not a read's
 LONG_GAP_MS = 1.0
 
@@ -66,11 +68,13 @@ def breakdown(found: list[apir_trace.Record], start_ns: int, end_ns: int) -> dic
         gap_ms = (after.start_ns - (before.start_ns + before.duration_ns)) / 1e6
         if before.name in COMPUTES and after.name in COMPUTES:
             between_computes.append(gap_ms)
-        if before.name == READS and after.name == READS:
+        if before.name in READS and after.name in READS:
             if gap_ms <= LONG_GAP_MS:
                 reads_client_ms += gap_ms
             else:
                 reads_other_ms += gap_ms
+    reads = sum(found.n_reads if (found := r.tensors_get()) else 1 for r in calls if r.name in READS)
+    reads_host_ms = sum(host_ms.get(name, 0.0) for name in READS)
     summary = apir_trace.summarize(calls)
     computes = summary.computes  # graph runs that computed (a run may carry writes alone)
     compute_host_ms = sum(host_ms.get(c, 0.0) for c in COMPUTES)
@@ -84,10 +88,11 @@ def breakdown(found: list[apir_trace.Record], start_ns: int, end_ns: int) -> dic
         "client_ms_between_computes": (round(sum(between_computes) / len(between_computes), 3)
                                        if between_computes else None),
         "host_share": round(sum(host_ms.values()) / 1e3 / wall_s, 3) if wall_s else None,
-        "kv_reads": counts[READS],
-        "kv_reads_host_ms": round(host_ms.get(READS, 0.0), 1),
+        "kv_reads": reads,
+        "kv_read_calls": sum(counts[name] for name in READS),
+        "kv_reads_host_ms": round(reads_host_ms, 1),
         "kv_reads_client_ms": round(reads_client_ms, 1),
-        "kv_reads_share": round((host_ms.get(READS, 0.0) + reads_client_ms) / 1e3 / wall_s, 3) if wall_s else None,
+        "kv_reads_share": round((reads_host_ms + reads_client_ms) / 1e3 / wall_s, 3) if wall_s else None,
         "gaps_between_saves_ms": round(reads_other_ms, 1),
         "graphs_sent_whole": cache.sent,
         "graphs_named": cache.by_id,

@@ -31,6 +31,13 @@ def _read(start_ms: float, host_ms: float) -> bytes:
     return apir_trace.encode_record(request, start_ns=int(start_ms * MS), duration_ns=int(host_ms * MS))
 
 
+def _reads(start_ms: float, host_ms: float, n_reads: int) -> bytes:
+    """A save's reads in one EXT_TENSORS_GET (patch 0028)."""
+    get = extensions.TensorsGet(2, n_reads)
+    request = messages.encode_command(protocol.CommandType.FORWARD, extensions.TENSORS_GET, 1) + get.encode()
+    return apir_trace.encode_record(request, start_ns=int(start_ms * MS), duration_ns=int(host_ms * MS))
+
+
 def _trace(tmp_path: Path) -> Path:
     """A row from 1,000 to 1,100 ms: four computes of 2 ms, 10 ms apart, then a save of three reads
     (0.2 ms each, 0.1 ms between), llama-server's 5 ms, and a second save of two reads; a compute
@@ -56,6 +63,17 @@ def test_a_rows_computes_reads_and_gaps_are_told_apart(tmp_path: Path) -> None:
     assert row["kv_reads_client_ms"] == 0.3  # three 0.1 ms gaps inside the two saves
     assert row["gaps_between_saves_ms"] == 5.0  # llama-server's own work, not a read's
     assert row["kv_reads_share"] == round(1.3 / 100, 3)
+
+
+def test_a_saves_reads_in_one_call_count_one_by_one(tmp_path: Path) -> None:
+    """Two saves of 32 reads, each in one call, 0.1 ms apart: 64 reads in 2 calls, the gap the client's."""
+    path = tmp_path / "batched.trace"
+    path.write_bytes(apir_trace.MAGIC + _run(1000, 2) + _reads(1010, 1.5, 32) + _reads(1011.6, 1.5, 32) +
+                     _run(1020, 2))
+    row = windows.breakdown(windows.load(path), 1000 * MS, 1100 * MS)
+    assert row["kv_reads"] == 64 and row["kv_read_calls"] == 2
+    assert row["kv_reads_host_ms"] == 3.0 and row["kv_reads_client_ms"] == 0.1
+    assert row["computes"] == 2
 
 
 def test_idle_stretches_split_a_trace_without_recorded_windows(tmp_path: Path) -> None:
