@@ -6,7 +6,9 @@ sequence waited. llama.cpp now reads them with ggml_backend_tensor_get_async and
 backend once; the frontend keeps the reads until that synchronize and sends them as one EXT_TENSORS_GET.
 Through the real apir-host on the CPU (its buffers in the host's memory, as a GPU's are): requests that
 evict and restore each other's cached prompts keep native's greedy tokens, and apir-host's own trace
-shows the reads leaving `buffer_get_tensor` for EXT_TENSORS_GET, read for read. The sanitized apir-host
+shows the reads leaving `buffer_get_tensor` for EXT_TENSORS_GET, read for read. Through ggml-rpc-server,
+whose client queues asynchronous reads on its dispatcher, the restored prompts keep native's tokens too.
+The third and fourth requests are checked to have been served from the prompt cache. The sanitized apir-host
 refuses a hostile batch before it copies anything, ends that client and serves on.
 """
 
@@ -32,6 +34,7 @@ from tests.remoting.test_apir_host_native import (  # noqa: F401 (asan_host, wor
     asan_host,
     workdir,
 )
+from tests.remoting.test_shm_native import rpc_offload, rpc_server
 from tests.support import build_servers
 
 pytestmark = pytest.mark.integration
@@ -42,14 +45,18 @@ PROMPTS = ["The river ran past the old mill where a miller kept his grain", "Cou
 
 
 def completions(url: str) -> list[list[int]]:
-    """Each prompt's greedy tokens, one request after the other."""
-    out = []
+    """Each prompt's greedy tokens, one request after the other; the third and fourth must have found
+    their prompt's cells in the prompt cache (restored from what the save read)."""
+    out, cached = [], []
     for prompt in PROMPTS:
         body = json.dumps({"prompt": prompt, "n_predict": 12, "temperature": 0, "top_k": 1, "seed": 7,
                            "cache_prompt": True, "return_tokens": True}).encode()
         req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=300) as r:
-            out.append([int(t) for t in json.load(r)["tokens"]])
+            answer = json.load(r)
+        out.append([int(t) for t in answer["tokens"]])
+        cached.append(int(answer["timings"]["cache_n"]))
+    assert cached[0] == 0 and min(cached[2:]) > 0, cached
     return out
 
 
@@ -80,6 +87,19 @@ def test_a_prompt_cache_save_is_one_call_and_keeps_native_tokens(llama_build: ll
     assert len(batched) >= len(PROMPTS) - 1 and min(batched) >= 2, batched
     # read for read, what went one by one now goes in those calls
     assert one_by_one - left == sum(batched), (one_by_one, left, batched)
+
+
+@pytest.mark.slow
+def test_through_rpc_a_save_read_on_the_backend_keeps_native_tokens(llama_build: llamacpp.Build, demo_model: Path,
+                                                                      workdir: Path) -> None:  # noqa: F811
+    """0027 on the RPC client, whose backend queues asynchronous reads on its dispatcher: the restored
+    prompts' tokens are native's."""
+    with build_servers.llama_server(llama_build, demo_model, workdir, ["-ngl", "0", "-np", "1"]) as (_, url, _log):
+        native = completions(url)
+    with rpc_server(llama_build, workdir) as (_, endpoint, _server_log), \
+            build_servers.llama_server(llama_build, demo_model, workdir,
+                                       [*rpc_offload(endpoint), "-np", "1"]) as (_, url, _log):
+        assert completions(url) == native
 
 
 def _negotiate(c: GraphRunClient, wanted: int) -> int:
