@@ -25,6 +25,11 @@ FEATURE_TENSORS_GET (llama_patches 0028) offers EXT_TENSORS_GET: the reads a fro
 for before its synchronize (a state save's K and V, a layer each), in one call. Each read is a `Write`
 record the other way: `size` bytes of the tensor at `offset`, copied to `data_offset` of the request's
 resource, whose offset 0 holds the records. The host checks them all, from a copy, before it makes any.
+
+FEATURE_OUTPUT_RESOURCES (llama_patches 0029), granted only with FEATURE_GRAPH_RUN, makes each output of
+EXT_GRAPH_RUN and EXT_GRAPH_DELTA name its resource (`Output.res_id`): the frontend's compute waits for the
+caller's reads of its outputs, and an output read into the frontend's host buffer (a shared resource) is
+written there by the host instead of being copied there by the frontend.
 """
 
 from __future__ import annotations
@@ -46,8 +51,10 @@ FEATURE_WIDE_TENSORS = 1 << 1
 FEATURE_OP_CLASSES = 1 << 2
 FEATURE_GRAPH_DELTA = 1 << 3  # granted only with FEATURE_GRAPH_RUN
 FEATURE_TENSORS_GET = 1 << 4
+FEATURE_OUTPUT_RESOURCES = 1 << 5  # granted only with FEATURE_GRAPH_RUN
 #: what this library's host grants when asked
-FEATURES = FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES | FEATURE_GRAPH_DELTA | FEATURE_TENSORS_GET
+FEATURES = (FEATURE_GRAPH_RUN | FEATURE_WIDE_TENSORS | FEATURE_OP_CLASSES | FEATURE_GRAPH_DELTA | FEATURE_TENSORS_GET
+            | FEATURE_OUTPUT_RESOURCES)
 
 RESULT_DONE = 0
 RESULT_UNKNOWN_GRAPH = 1
@@ -125,10 +132,12 @@ def encode_changes(changes: tuple[Change, ...] | list[Change]) -> bytes:
 
 @dataclass(frozen=True)
 class Output:
-    """Graph node `node` copied to `offset` of the output resource after the compute."""
+    """Graph node `node` copied to `offset` of the output resource after the compute, or of `res_id`
+    (FEATURE_OUTPUT_RESOURCES granted: every output names its resource)."""
 
     node: int
     offset: int
+    res_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +156,8 @@ class GraphRun:
     out_res_id: int = 0
     outputs: tuple[Output, ...] = field(default=())
     n_changes: int | None = None
+    #: FEATURE_OUTPUT_RESOURCES granted: each output is (node, res_id, offset)
+    output_resources: bool = False
 
     @property
     def command(self) -> int:
@@ -170,13 +181,15 @@ class GraphRun:
         enc.u32(len(self.outputs))
         for o in self.outputs:
             enc.u32(o.node)
+            if self.output_resources:
+                enc.u32(self.out_res_id if o.res_id is None else o.res_id)
             enc.u64(o.offset)
         return enc.getvalue()
 
     @classmethod
-    def decode(cls, data: bytes | memoryview, delta: bool = False) -> GraphRun:
+    def decode(cls, data: bytes | memoryview, delta: bool = False, output_resources: bool = False) -> GraphRun:
         """Raises `ApirDecodeError` on a cut request, ValueError on counts past the host's limits
-        (`delta`: an EXT_GRAPH_DELTA's)."""
+        (`delta`: an EXT_GRAPH_DELTA's; `output_resources`: a client granted FEATURE_OUTPUT_RESOURCES)."""
         dec = Decoder(data)
         graph_id, res_id, graph_size = dec.u64(), dec.u32(), dec.u64()
         n_changes = dec.u32() if delta else None
@@ -186,8 +199,13 @@ class GraphRun:
         out_res_id, n_outputs = dec.u32(), dec.u32()
         if n_outputs > MAX_OUTPUTS:
             raise ValueError(f"{n_outputs} outputs, more than the host takes ({MAX_OUTPUTS})")
-        outputs = tuple(Output(dec.u32(), dec.u64()) for _ in range(n_outputs))
-        return cls(graph_id, res_id, graph_size, writes_offset, n_writes, out_res_id, outputs, n_changes)
+        outputs = []
+        for _ in range(n_outputs):
+            node = dec.u32()
+            res = dec.u32() if output_resources else None
+            outputs.append(Output(node, dec.u64(), res))
+        return cls(graph_id, res_id, graph_size, writes_offset, n_writes, out_res_id, tuple(outputs), n_changes,
+                   output_resources)
 
 
 @dataclass(frozen=True)

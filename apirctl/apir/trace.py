@@ -62,6 +62,8 @@ class Record:
     reply: bytes
     #: the host had granted FEATURE_WIDE_TENSORS before this command: its tensors are wide records
     wide_tensors: bool = False
+    #: the host had granted FEATURE_OUTPUT_RESOURCES: each output of a graph run names its resource
+    output_resources: bool = False
 
     @property
     def kind(self) -> str:
@@ -126,12 +128,15 @@ class Record:
             if fn.reply and self.ok:
                 out["reply"] = {k: messages.plain(v) for k, v in messages.decode_reply(fn, self.reply).items()}
         elif self.cmd_type == protocol.CommandType.FORWARD and self.cmd_flags in _GRAPH_RUNS:
-            run = extensions.GraphRun.decode(rest, delta=self.cmd_flags == extensions.GRAPH_DELTA)
+            run = extensions.GraphRun.decode(rest, delta=self.cmd_flags == extensions.GRAPH_DELTA,
+                                             output_resources=self.output_resources)
             out["request"] = {"graph_id": run.graph_id, "res_id": run.res_id, "graph_size": run.graph_size,
                               **({} if run.n_changes is None else {"n_changes": run.n_changes}),
                               "writes_offset": run.writes_offset, "n_writes": run.n_writes,
                               "out_res_id": run.out_res_id,
-                              "outputs": [{"node": o.node, "offset": o.offset} for o in run.outputs]}
+                              "outputs": [{"node": o.node, "offset": o.offset,
+                                           **({} if o.res_id is None else {"res_id": o.res_id})}
+                                          for o in run.outputs]}
             if self.ok:
                 result, status = extensions.decode_graph_run_reply(self.reply)
                 out["reply"] = {"result": result, "status": status}
@@ -161,7 +166,8 @@ class Record:
             return None
         try:
             run = extensions.GraphRun.decode(messages.decode_command(self.request)[3],
-                                             delta=self.cmd_flags == extensions.GRAPH_DELTA)
+                                             delta=self.cmd_flags == extensions.GRAPH_DELTA,
+                                             output_resources=self.output_resources)
             return run, extensions.decode_graph_run_reply(self.reply)[0]
         except (ApirDecodeError, ValueError):
             return None
@@ -280,6 +286,7 @@ def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None 
         raise ApirTraceError(f"not an APIR trace: it starts with {magic!r}, not {MAGIC.decode()}", 0)
     index = 0
     wide = False  # as the host reads the client's tensors: narrow until a reply grants the wide records
+    placed = False  # outputs name their resources once a reply grants it
     while True:
         offset = src.pos
         try:
@@ -303,10 +310,12 @@ def records(fh: BinaryIO, follow: bool = False, wait: Callable[[], bool] | None 
                 return
             raise
         record = Record(index=index, offset=offset, cmd_type=cmd_type, cmd_flags=cmd_flags, ret=ret,
-                        start_ns=start_ns, duration_ns=duration_ns, request=request, reply=reply, wide_tensors=wide)
+                        start_ns=start_ns, duration_ns=duration_ns, request=request, reply=reply, wide_tensors=wide,
+                        output_resources=placed)
         granted = record.features_granted()
         if granted is not None:
             wide = bool(granted & extensions.FEATURE_WIDE_TENSORS)
+            placed = bool(granted & extensions.FEATURE_OUTPUT_RESOURCES)
         yield record
         index += 1
 

@@ -263,3 +263,24 @@ def test_graph_deltas_count_their_changes_as_graph_bytes(tmp_path: Path) -> None
     assert done.returncode == 0, done.stderr
     assert "1 updated one by a delta" in done.stdout and "1 deltas were refused" in done.stdout
     assert "forwarded calls per compute" in done.stdout and "KB per compute" in done.stdout
+
+
+def test_outputs_name_their_resource_once_the_host_grants_it() -> None:
+    """FEATURE_OUTPUT_RESOURCES (patch 0029): the same bytes are other outputs before and after the grant."""
+    out = (extensions.Output(0, 0, 3), extensions.Output(1, 1024, 9))
+    placed = extensions.GraphRun(1, 2, 0, 64, 0, 3, out, output_resources=True)
+    grant = (messages.encode_command(protocol.CommandType.FORWARD, extensions.GET_FEATURES, 1)
+             + extensions.encode_features_request(extensions.FEATURES))
+    data = apir_trace.MAGIC + b"".join([
+        _graph_run(extensions.GraphRun(1, 2, 0, 64, 0, 3, (extensions.Output(0, 0),))),
+        apir_trace.encode_record(grant, struct.pack("<Q", extensions.FEATURES)),
+        _graph_run(placed),
+    ])
+    before, _, after = apir_trace.read(data)
+    assert not before.output_resources and after.output_resources
+    found = after.graph_run()
+    assert found is not None and found[0].outputs == out
+    assert after.arguments()["request"]["outputs"][1] == {"node": 1, "offset": 1024, "res_id": 9}
+    assert extensions.GraphRun.decode(placed.encode(), output_resources=True) == placed
+    # the narrow decoding of the same request reads other outputs: the grant decides, not the bytes
+    assert extensions.GraphRun.decode(placed.encode()).outputs != out

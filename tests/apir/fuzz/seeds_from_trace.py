@@ -355,7 +355,8 @@ def graph_run_life(buft_call: Call | None, wide: bool = False) -> list[Call]:
     assert leaf is not None
     write = U64.pack(buffer) + leaf.to_rpc().to_bytes(wide) + U64.pack(0) + U64.pack(64) + U64.pack(len(data))
     write_offsets = [4 + 8 + 4 + 8 + 4, 4 + 8 + 4 + 8 + 4 + 8 + RPC_BUFFER_AT]
-    outputs = U32.pack(RES_DATA) + U32.pack(1) + U32.pack(1) + U64.pack(0)
+    # a wide session asks for every feature: its outputs name their resource (FEATURE_OUTPUT_RESOURCES)
+    outputs = U32.pack(RES_DATA) + U32.pack(1) + U32.pack(1) + (U32.pack(RES_DATA) if wide else b"") + U64.pack(0)
     res = data + bytes(range(64))
     graph_offsets = [first + i * record + RPC_BUFFER_AT for i in range(n_tensors)]
 
