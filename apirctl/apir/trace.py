@@ -361,7 +361,9 @@ class GraphCache:
     """How the graphs of EXT_GRAPH_RUN travelled: named by id (`by_id`, the host's kept graph), sent
     (`sent`, first use or changed), updated by a delta (`delta`, EXT_GRAPH_DELTA: only the tensors whose
     shapes or places changed), or named but no longer kept (`unknown`) or a delta not taken
-    (`delta_refused`), sent again after."""
+    (`delta_refused`), sent again after. `outputs_placed`: outputs the host wrote into a resource other
+    than the run's outputs' one (where the frontend's caller reads them, patch 0029); `reads` in
+    `read_calls`: reads of device memory answered together (EXT_TENSORS_GET, patch 0028)."""
 
     by_id: int = 0
     sent: int = 0
@@ -370,10 +372,14 @@ class GraphCache:
     delta_refused: int = 0
     writes: int = 0
     outputs: int = 0
+    outputs_placed: int = 0
+    reads: int = 0
+    read_calls: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {"by_id": self.by_id, "sent": self.sent, "delta": self.delta, "unknown": self.unknown,
-                "delta_refused": self.delta_refused, "writes": self.writes, "outputs": self.outputs}
+                "delta_refused": self.delta_refused, "writes": self.writes, "outputs": self.outputs,
+                "outputs_placed": self.outputs_placed, "reads": self.reads, "read_calls": self.read_calls}
 
 
 @dataclass
@@ -405,6 +411,10 @@ class Summary:
         end = record.start_ns + record.duration_ns
         self.last_end_ns = end if self.last_end_ns is None else max(self.last_end_ns, end)
         self.graph_bytes += record.graph_bytes_sent()
+        reads = record.tensors_get()
+        if reads is not None:
+            self.graph_cache.reads += reads.n_reads
+            self.graph_cache.read_calls += 1
         found = record.graph_run()
         if found is not None:
             run, result = found
@@ -417,6 +427,7 @@ class Summary:
                 return
             cache.writes += run.n_writes
             cache.outputs += len(run.outputs)
+            cache.outputs_placed += sum(1 for o in run.outputs if o.res_id not in (None, run.out_res_id))
             if run.graph_id:
                 self.ext_computes += 1
                 if run.n_changes is not None:

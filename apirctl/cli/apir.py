@@ -301,3 +301,8 @@ def _print_summary(summary: Any) -> None:
         print(f"graph cache: {cache.by_id} computes named a kept graph, {cache.sent} sent one, {cache.delta} updated "
               f"one by a delta, {cache.unknown} named one the host no longer kept, {cache.delta_refused} deltas were "
               f"refused; {cache.writes} writes and {cache.outputs} outputs rode along")
+    if cache.outputs_placed:
+        print(f"{cache.outputs_placed} of those outputs written where the caller reads them (not copied there)")
+    if cache.read_calls:
+        print(f"{cache.reads} reads of device memory answered in {cache.read_calls} calls "
+              f"({cache.reads / cache.read_calls:.1f} a call)")

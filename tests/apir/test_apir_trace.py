@@ -226,7 +226,8 @@ def test_graph_runs_count_as_computes_and_show_how_their_graphs_travelled() -> N
     summary = apir_trace.summarize(records)
     assert summary.computes == 3
     assert summary.graph_cache.as_dict() == {"by_id": 1, "sent": 2, "delta": 0, "unknown": 1, "delta_refused": 0,
-                                             "writes": 30, "outputs": 6}
+                                             "writes": 30, "outputs": 6, "outputs_placed": 0, "reads": 0,
+                                             "read_calls": 0}
     assert summary.graph_bytes_per_compute == 8000 / 3
     assert summary.calls_per_compute == 5 / 3
     args = records[1].arguments()
@@ -284,3 +285,18 @@ def test_outputs_name_their_resource_once_the_host_grants_it() -> None:
     assert extensions.GraphRun.decode(placed.encode(), output_resources=True) == placed
     # the narrow decoding of the same request reads other outputs: the grant decides, not the bytes
     assert extensions.GraphRun.decode(placed.encode()).outputs != out
+    # the summary counts the output written elsewhere (res 9), not the one in the run's own (res 3)
+    cache = apir_trace.summarize([before, after]).graph_cache
+    assert cache.outputs == 3 and cache.outputs_placed == 1
+
+
+def test_the_summary_counts_reads_answered_together(tmp_path: Path) -> None:
+    """EXT_TENSORS_GET (patch 0028): reads and calls, in the summary and on the command line."""
+    reads = [messages.encode_command(protocol.CommandType.FORWARD, extensions.TENSORS_GET, 1)
+             + extensions.TensorsGet(2, n).encode() for n in (32, 32, 56)]
+    path = tmp_path / "reads.trace"
+    path.write_bytes(apir_trace.MAGIC + b"".join(apir_trace.encode_record(r) for r in reads))
+    cache = apir_trace.summarize(apir_trace.read(path.read_bytes())).graph_cache
+    assert (cache.reads, cache.read_calls) == (120, 3)
+    done = run_cli("apir", "trace", str(path), "--summary")
+    assert done.returncode == 0 and "120 reads of device memory answered in 3 calls (40.0 a call)" in done.stdout

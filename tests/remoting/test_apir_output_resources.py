@@ -12,6 +12,7 @@ past its resource or in one the client does not have.
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from tests.remoting.test_apir_host_native import (  # noqa: F401 (asan_host, wor
     workdir,
 )
 from tests.remoting.test_apir_op_classes import native_tokens_through_apir
+from tests.support.bench_helpers import run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +68,14 @@ def test_streams_that_join_and_leave_keep_native_tokens_with_outputs_written_in_
     # every step's logits go to llama.cpp's output buffer (the normed embeddings, also marked an output, are
     # not read and stay in the outputs' resource); a compute whose logits nobody reads keeps them there too
     assert runs >= 24 and placed >= runs - 4, (runs, placed)
+    # and what a user sees of it
+    for mode, trace in traces.items():
+        done = run_cli("apir", "trace", str(trace), "--summary", "--json")
+        assert done.returncode == 0, done.stderr
+        cache = json.loads(done.stdout)["summary"]["graph_cache"]
+        assert (cache["outputs_placed"] > 0) == (mode == "in_place"), (mode, cache)
+    text = run_cli("apir", "trace", str(traces["in_place"]), "--summary").stdout
+    assert "outputs written where the caller reads them" in text
 
 
 def _run(c: GraphRunClient, outputs: tuple[extensions.Output, ...], x: list[float], y: list[float],
