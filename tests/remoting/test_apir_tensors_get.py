@@ -17,18 +17,21 @@ from __future__ import annotations
 import json
 import struct
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from apirctl.apir import extensions, protocol
 from apirctl.apir import trace as apir_trace
+from apirctl.apir.tensor import Tensor
 from apirctl.build import llamacpp
 from tests.remoting.test_apir_host_native import (  # noqa: F401 (asan_host, workdir: fixtures)
     DATA_RES,
     FORWARD,
     FORWARD_BASE,
     OUT,
+    OUT_RES,
     GraphRunClient,
     apir_host,
     asan_host,
@@ -108,45 +111,70 @@ def _negotiate(c: GraphRunClient, wanted: int) -> int:
     return extensions.decode_features(reply)
 
 
-def _get(c: GraphRunClient, reads: list[extensions.Write], n_reads: int | None = None) -> int:
-    """One EXT_TENSORS_GET of `reads`, their records at offset 0 of the data resource: the forward return."""
+def _get(c: GraphRunClient, reads: list[extensions.Write], n_reads: int | None = None, res_id: int = DATA_RES) -> int:
+    """One EXT_TENSORS_GET of `reads`, their records at offset 0 of `res_id`: the forward return."""
     records = extensions.encode_writes(reads)
-    c.maps[DATA_RES][0:len(records)] = records
-    request = extensions.TensorsGet(DATA_RES, len(reads) if n_reads is None else n_reads).encode()
+    target = c.maps[res_id]
+    target[0:min(len(records), len(target))] = records[:len(target)]
+    request = extensions.TensorsGet(res_id, len(reads) if n_reads is None else n_reads).encode()
     return c.call(FORWARD, extensions.TENSORS_GET, request)[0]
+
+
+def _computed(path: Path) -> tuple[GraphRunClient, Tensor, Tensor]:
+    """A client granted the command (narrow records) whose x and y were written and computed."""
+    c = GraphRunClient(path)
+    wanted = extensions.FEATURE_GRAPH_RUN | extensions.FEATURE_TENSORS_GET
+    assert _negotiate(c, wanted) == wanted
+    x, y, graph = c.graph()
+    assert c.run(1, graph, c.inputs(x, y), OUT, ONES, TENS) == (FORWARD_BASE, extensions.RESULT_DONE, 0)
+    c.maps[DATA_RES][AT:AT + 128] = b"\xee" * 128
+    return c, x, y
+
+
+ONES, TENS = [1.0 + i for i in range(16)], [10.0 * i for i in range(16)]
+AT = 8192  # where the reads land in the data resource
+
+
+#: a read the host refuses, of the client's y (16 floats at offset 64 of its 4 KiB buffer)
+BAD_READS: dict[str, Callable[[GraphRunClient, Tensor], extensions.Write]] = {
+    "past its tensor": lambda c, y: extensions.Write(c.buffer, y.to_rpc(), 32, 64, AT + 64),
+    "an offset that wraps the size": lambda c, y: extensions.Write(c.buffer, y.to_rpc(), (1 << 64) - 8, 16, AT + 64),
+    "past the resource": lambda c, y: extensions.Write(c.buffer, y.to_rpc(), 0, 64, (1 << 20) - 32),
+    "a destination that wraps": lambda c, y: extensions.Write(c.buffer, y.to_rpc(), 0, 64, (1 << 64) - 32),
+    "a tensor past its buffer": lambda c, y: extensions.Write(
+        c.buffer, Tensor((16,), name="outside", buffer=c.buffer, offset=4096 - 32).to_rpc(), 0, 16, AT + 64),
+    "an unknown buffer": lambda c, y: extensions.Write(c.buffer + 1, y.to_rpc(), 0, 16, AT + 64),
+}
 
 
 def test_apir_host_reads_in_one_call_and_ends_a_client_that_asks_too_much(asan_host: Path,  # noqa: F811
                                                                            llama_build: llamacpp.Build,
                                                                            workdir: Path) -> None:  # noqa: F811
-    """Through the sanitized apir-host, after a compute: both inputs read back in one call; a batch
-    whose second read runs past its tensor copies nothing, and ends that client as any refused call
+    """Through the sanitized apir-host, after a compute: both inputs read back in one call. Every refusal
+    copies nothing, not even the good read before the bad one, and ends that client as any refused call
     does; the next client is served."""
     with apir_host(asan_host, llama_build, workdir) as (host, path, log):
-        for hostile in (False, True):
-            c = GraphRunClient(path)
-            wanted = extensions.FEATURE_GRAPH_RUN | extensions.FEATURE_TENSORS_GET
-            assert _negotiate(c, wanted) == wanted  # narrow records
-            x, y, graph = c.graph()
-            ones, tens = [1.0 + i for i in range(16)], [10.0 * i for i in range(16)]
-            assert c.run(1, graph, c.inputs(x, y), OUT, ones, tens) == (FORWARD_BASE, extensions.RESULT_DONE, 0)
-            data = c.maps[DATA_RES]
-            data[8192:8192 + 128] = b"\xee" * 128
-            x_read = extensions.Write(c.buffer, x.to_rpc(), 0, 64, 8192)
-            if not hostile:
-                assert _get(c, [x_read, extensions.Write(c.buffer, y.to_rpc(), 32, 32, 8192 + 64)]) == FORWARD_BASE
-                assert list(struct.unpack_from("<16f", data, 8192)) == ones
-                assert list(struct.unpack_from("<8f", data, 8192 + 64)) == tens[8:]
-                c.close()
-                continue
-            past = extensions.Write(c.buffer, y.to_rpc(), 32, 64, 8192 + 64)
-            assert _get(c, [x_read, past]) == FORWARD_BASE + 1
-            assert bytes(data[8192:8192 + 128]) == b"\xee" * 128  # nothing copied, not even the good read
-            assert c.closed_by_host()
-            c.close()
-        c = GraphRunClient(path)
-        assert _negotiate(c, extensions.FEATURE_TENSORS_GET) == extensions.FEATURE_TENSORS_GET
-        assert _get(c, [], n_reads=0) == FORWARD_BASE + 1  # no reads is no request
-        assert c.closed_by_host()
+        c, x, y = _computed(path)
+        assert _get(c, [extensions.Write(c.buffer, x.to_rpc(), 0, 64, AT),
+                        extensions.Write(c.buffer, y.to_rpc(), 32, 32, AT + 64)]) == FORWARD_BASE
+        assert list(struct.unpack_from("<16f", c.maps[DATA_RES], AT)) == ONES
+        assert list(struct.unpack_from("<8f", c.maps[DATA_RES], AT + 64)) == TENS[8:]
         c.close()
+
+        for name, bad in BAD_READS.items():
+            c, x, y = _computed(path)
+            good = extensions.Write(c.buffer, x.to_rpc(), 0, 64, AT)
+            assert _get(c, [good, bad(c, y)]) == FORWARD_BASE + 1, name
+            assert bytes(c.maps[DATA_RES][AT:AT + 128]) == b"\xee" * 128, name
+            assert c.closed_by_host(), name
+            c.close()
+        for name, n_reads, res_id in (("no reads", 0, DATA_RES),
+                                      ("more than the host takes", extensions.MAX_READS + 1, DATA_RES),
+                                      ("records past the resource", extensions.MAX_READS, OUT_RES)):
+            c, x, _y = _computed(path)
+            good = extensions.Write(c.buffer, x.to_rpc(), 0, 64, AT)
+            assert _get(c, [good], n_reads=n_reads, res_id=res_id) == FORWARD_BASE + 1, name
+            assert bytes(c.maps[DATA_RES][AT:AT + 128]) == b"\xee" * 128, name
+            assert c.closed_by_host(), name
+            c.close()
         assert host.poll() is None, log.read_text(errors="replace")[-3000:]
