@@ -1,4 +1,4 @@
-"""What the GPU harness (gpu_remoting.py) and its parts (gpu_passthrough.py, gpu_serving.py) share:
+"""What the GPU harness (gpu_remoting.py) and its parts (gpu_passthrough.py, gpu_serving.py, gpu_batched.py) share:
 the network namespace's names and addresses, the environment that hides the GPU, how a server the run
 started is stopped, and the shape of the harness's runner as a part sees it.
 
@@ -17,9 +17,11 @@ NS = "apirc-bench"
 VETH_HOST, VETH_NS = "10.77.0.1", "10.77.0.2"
 #: The environment of a process that must not see the GPU (a client, a container's stand-in).
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}
+#: A network namespace with no route: only a socket file reaches out (the container boundary).
+ISOLATED = ["unshare", "--net"]
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
+def stop(proc: subprocess.Popen[Any]) -> None:
     """End a server the run started: SIGTERM (it prints its profile and closes), then SIGKILL after 10 s."""
     proc.send_signal(signal.SIGTERM)
     try:

@@ -48,7 +48,10 @@ results.json is rewritten after every step, so a cut-off run still reports):
    concurrency 1, 8 and 32, natively and over each remoting path from the container's network namespace;
    and N servers at once (1, 2, 4), native processes against remoting clients with a backend each, over
    one common window, time-sliced and (`--mps`) under CUDA MPS.
-12. `vm` (issue 32, in benchmarks/gpu_vm.py): llama-bench in a KVM micro-VM booted as `apirctl serve
+12. `batched` (issue 31, in benchmarks/gpu_batched.py): llama-batched-bench, many sequences' prompts at
+   once and then their generation (1, 8 and 32 sequences of 128 tokens, as llama-server batches its
+   streams' prompts), native, rpc and apir alternated, with the APIR host's calls in each window.
+13. `vm` (issue 32, in benchmarks/gpu_vm.py): llama-bench in a KVM micro-VM booted as `apirctl serve
    --isolation vm` boots one, through RPC and through APIR to a host process of the VM's own on the GPU,
    alternated with native; and the VM's own CPU once (`--vm-kit`: the kit `gpu_vm.py pack` made).
 
@@ -86,13 +89,11 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from gpu_harness import NO_GPU, NS, VETH_HOST, VETH_NS, stop  # noqa: E402 - beside this file, on sys.path[0]
+from gpu_harness import ISOLATED, NO_GPU, NS, VETH_HOST, VETH_NS, stop  # noqa: E402 - beside this file, on sys.path[0]
 
 PORT = 50052
 TRACE_PORT = 50060
 SLIRP_HOST_LOOPBACK = "10.0.2.2"
-#: A network namespace with no route: only a socket file reaches out (the container boundary).
-ISOLATED = ["unshare", "--net"]
 #: The frontend's device is named after the host's ("[virtgpu] CUDA0", "[virtgpu] CPU"); the backend
 #: is ggml-virtgpu, and `-dev ggml-virtgpu0` is refused by llama-bench.
 VIRTGPU_PREFIX = "[virtgpu]"
@@ -275,8 +276,9 @@ class Runner:
 
     def executables(self) -> list[str]:
         """The programs the parts asked for need (`passthrough`: those apirctl's image carries). llama-server
-        is always among them: a build packed for `--prebuilt` serves a later call's parts, whichever."""
-        names = ["llama-bench", "ggml-rpc-server", "apir-host", "llama-server"]
+        and llama-batched-bench are always among them: a build packed for `--prebuilt` serves a later
+        call's parts, whichever."""
+        names = ["llama-bench", "ggml-rpc-server", "apir-host", "llama-server", "llama-batched-bench"]
         if "passthrough" in self.args.parts:
             from gpu_passthrough import image_executables
 
@@ -809,9 +811,11 @@ class Runner:
         return args, library, reg
 
     @contextlib.contextmanager
-    def apir_host(self, trace: Path, log_name: str = "apir-host.log") -> Iterator[Path]:
+    def apir_host(self, trace: Path, log_name: str = "apir-host.log",
+                  env_extra: dict[str, str] | None = None) -> Iterator[Path]:
         """apir-host over the GPU library (the CPU one with --device CPU) on a socket in a private
-        directory (0700: apir-host refuses one that others can write), writing `trace`; yields the socket."""
+        directory (0700: apir-host refuses one that others can write), writing `trace`, with `env_extra`
+        in its environment (the host's knobs); yields the socket."""
         private = Path(tempfile.mkdtemp(prefix="apirc-"))  # short: a socket path has 107 bytes at most
         sock = private / "apir.sock"
         trace.unlink(missing_ok=True)  # apir-host appends
@@ -821,7 +825,9 @@ class Runner:
             fh.write(f"$ {' '.join(args)}\n")
         start = log.stat().st_size
         fh = log.open("a")
-        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT)
+        with log.open("a") as note:
+            note.write("".join(f"# {k}={v}\n" for k, v in (env_extra or {}).items()))
+        proc = subprocess.Popen(args, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ) | (env_extra or {}))
         self.results["env"]["apir_host"] = {"ggml_library": library, "reg": reg,
                                             "spin_us": os.environ.get("GGML_VIRTGPU_SPIN_US", "default")}
         try:
@@ -1062,6 +1068,12 @@ class Runner:
         for shape in self.args.shapes:
             if "load" in parts:
                 self.step(f"{shape}/load", self.load_times, shape, need=40)
+        if "batched" in parts:
+            from gpu_batched import Batched
+
+            batched = Batched(self)
+            for shape in self.args.shapes:
+                self.step(f"{shape}/batched", batched.batched, shape, need=60)
         if {"serving", "multi"} & parts:
             from gpu_serving import Serving
 
@@ -1112,7 +1124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--parts", nargs="+", default=["transport", "veth", "trace"],
                     help="which measurements to run, after the build: hotpath, shared, rings, transport, apir, core, "
-                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough, serving, multi, vm")
+                         "veth, trace, selftest, knobs, wire, knobs2, load, passthrough, serving, multi, batched, vm")
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--serving-seconds", type=float, default=30.0, help="`serving`/`multi`: seconds per row")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="`serving`: streams per level")
@@ -1121,6 +1133,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serving-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir", "apir-exact"],
                     help="`serving`: the remoting rows beside native (apir-exact: APIR with the frontend's "
                          "answers kept per exact shape, GGML_VIRTGPU_OP_CLASSES=0, as before patch 0020)")
+    ap.add_argument("--batched-npl", type=int, nargs="+", default=[1, 8, 32],
+                    help="`batched`: sequences given a prompt at once (llama-batched-bench -npl)")
+    ap.add_argument("--batched-reps", type=int, default=2, help="`batched`: passes of the -npl list in one run")
+    ap.add_argument("--batched-rounds", type=int, default=1,
+                    help="`batched`: alternated rounds (native, rpc, apir, native, rpc, apir, ... native)")
+    ap.add_argument("--batched-paths", nargs="+", default=["rpc", "apir"], choices=["rpc", "apir", "apir-wait"],
+                    help="`batched`: the remoting rows beside native (apir-wait: apir-host waiting for every "
+                         "compute before it answers, GGML_VIRTGPU_RUN_AHEAD=0)")
+    ap.add_argument("--batched-rpc-profile", action="store_true",
+                    help="`batched`: one rpc row more through a pair run with GGML_RPC_PROFILE=1")
     ap.add_argument("--serving-rpc-profile", action="store_true",
                     help="`serving`: after each level's rounds, one rpc row more through a pair started for it "
                          "with GGML_RPC_PROFILE=1 on both ends, its profile under the level's `rpc_profiled`")

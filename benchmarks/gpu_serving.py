@@ -265,14 +265,14 @@ class Serving:
             yield addr
 
     @contextlib.contextmanager
-    def apir_client(self, shape: str, name: str, index: int, slots: int,
-                    extra_env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+    def apir_client(self, shape: str, name: str, index: int, slots: int, extra_env: dict[str, str] | None = None,
+                    extra: list[str] | None = None) -> Iterator[tuple[str, int]]:
         r = self.runner
         with r.apir_host(r.logs / f"serving-{name}.trace", log_name=f"apir-host-{name}.log") as sock:
             env = NO_GPU | {"GGML_VIRTGPU_SOCKET": str(sock)} | (extra_env or {})
             device = r.virtgpu_device(env)
-            with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + index, slots, ["-dev", device], env,
-                                   self.namespace()) as addr:
+            with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + index, slots,
+                                   ["-dev", device, *(extra or [])], env, self.namespace()) as addr:
                 yield addr
 
     def rpc_profile_row(self, shape: str, level: int) -> dict:
