@@ -115,7 +115,8 @@ class Batched:
         return {"wall_s": round(time.monotonic() - t0, 2),
                 "cmd": " ".join(cmd[len(prefix or []):]).replace(str(r.work), "$WORK"),
                 "passes": [{k: p[k] for k in keep if k in p} for p in passes],
-                "resolved": resolved_lines(log.read_text(errors="replace"))}
+                "resolved": [line.replace(str(r.work), "$WORK")
+                             for line in resolved_lines(log.read_text(errors="replace"))]}
 
     @contextlib.contextmanager
     def rpc(self, env_extra: dict[str, str] | None = None, name: str = "rpc") -> Iterator[list[str]]:

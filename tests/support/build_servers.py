@@ -82,3 +82,17 @@ def backend_ops_tester(build: llamacpp.Build) -> Path:
             compiler, ["-std=c++17", "-O1", "-pthread", f"-I{src / 'ggml/include'}"],
             [src / "tests/test-backend-ops.cpp"], exe,
             [f"-L{build.bin_dir}", f"-Wl,-rpath,{build.bin_dir}", "-lggml", "-lggml-base"], "test-backend-ops")
+
+
+def batched_bench(build: llamacpp.Build) -> Path:
+    """Upstream's llama-batched-bench of the build (benchmarks/gpu_batched.py runs it), built in the
+    build's own tree when it lacks it: apirctl's builds do not make it, and one more target there
+    compiles the tool's two files and links them (seconds, through ccache)."""
+    exe = build.bin_dir / "llama-batched-bench"
+    with native_builds.locked(f"batched-bench-{build.identity}"):
+        if not exe.exists():
+            done = subprocess.run(["cmake", "--build", str(build.bin_dir.parent), "--target", "llama-batched-bench"],
+                                  env=native_builds.build_environment(), capture_output=True, text=True, timeout=900,
+                                  check=False)
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return exe
