@@ -1127,6 +1127,9 @@ def main(argv: list[str] | None = None) -> int:
                          "veth, trace, selftest, knobs, wire, knobs2, load, passthrough, serving, multi, batched, vm")
     ap.add_argument("--passes", type=int, default=3, help="passes of the `shared` rows (native between them)")
     ap.add_argument("--serving-seconds", type=float, default=30.0, help="`serving`/`multi`: seconds per row")
+    ap.add_argument("--serving-lead-in", type=float, default=0.0,
+                    help="`serving`: seconds over which the streams start, before a row's window opens (0: all "
+                         "at the window's start, in step); about one request's time spreads them over its phases")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="`serving`: streams per level")
     ap.add_argument("--serving-rounds", type=int, default=1,
                     help="`serving`: alternated rounds per level (native, each path, native, each path, ... native)")

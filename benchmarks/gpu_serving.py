@@ -8,7 +8,9 @@ backend over shared memory (`--rpc unix:...`: `serve --transport rpc`) or throug
 concurrency (1, 8, 32), the rows run in turn, native first and again last, each for `--serving-seconds`:
 `concurrency` streams that each send a request (a prompt of about 128 tokens that no earlier request
 shares, 128 tokens generated, end-of-sequence ignored), and another when one ends. Counted over the
-row's window: generated tokens per second (every streamed token that arrived in it), time to first token
+row's window (`--serving-lead-in S`: the streams start one after another over the S seconds before
+it, so that a window sees requests at every phase instead of rounds that all start and end together):
+generated tokens per second (every streamed token that arrived in it), time to first token
 of the requests that started in it (p50, p95), finished requests and errors. Each remoting row is
 reported over the mean of the native rows around it. With `--serving-rpc-profile`, each level ends with
 one more rpc row through a pair of its own run with `GGML_RPC_PROFILE=1`: both ends' figures per
@@ -78,6 +80,7 @@ class Window:
     finished: int = 0
     errors: int = 0
     error_text: str = ""
+    started: list[float] = field(default_factory=list)  # when each stream sent its first request
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def as_dict(self) -> dict:
@@ -90,16 +93,21 @@ class Window:
         return {"tokens_per_s": round(self.tokens / seconds, 2), "tokens": self.tokens, "seconds": round(seconds, 2),
                 "ttft_p50_ms": pct(0.5), "ttft_p95_ms": pct(0.95), "requests_started": len(ttft),
                 "requests_finished": self.finished, "errors": self.errors, "first_error": self.error_text[:200],
+                "stream_starts_s": sorted(round(t - self.start, 3) for t in self.started),
                 "window_monotonic_s": [round(self.start, 3), round(self.end, 3)]}
 
 
 class Streams:
     """`per_server` streams against each (host, port), all over the same window."""
 
-    def __init__(self, servers: list[tuple[str, int]], per_server: int, seconds: float) -> None:
+    def __init__(self, servers: list[tuple[str, int]], per_server: int, seconds: float, lead_in: float = 0.0) -> None:
         self.servers = servers
         self.per_server = per_server
         self.seconds = seconds
+        # streams that start together stay in step (every request of a round ends together), and where
+        # the window cuts those rounds moves a row's figures: with a lead-in, stream k starts k/N of it
+        # before the window opens, so that the window sees requests at every phase
+        self.lead_in = lead_in
         self.counter = 0
         self.counter_lock = threading.Lock()
 
@@ -109,18 +117,22 @@ class Streams:
             return self.counter
 
     def run(self) -> Window:
-        begin = time.monotonic() + 0.5  # every thread started before the clock
-        window = Window(begin, begin + self.seconds)
-        threads = [threading.Thread(target=self.stream, args=(host, port, window), daemon=True)
-                   for host, port in self.servers for _ in range(self.per_server)]
+        first = time.monotonic() + 0.5  # every thread started before the clock
+        window = Window(first + self.lead_in, first + self.lead_in + self.seconds)
+        pairs = [(host, port) for host, port in self.servers for _ in range(self.per_server)]
+        threads = [threading.Thread(target=self.stream, daemon=True,
+                                    args=(host, port, window, first + k * self.lead_in / len(pairs)))
+                   for k, (host, port) in enumerate(pairs)]
         for t in threads:
             t.start()
         for t in threads:
-            t.join(self.seconds + 120)
+            t.join(self.lead_in + self.seconds + 120)
         return window
 
-    def stream(self, host: str, port: int, window: Window) -> None:
-        time.sleep(max(0.0, window.start - time.monotonic()))
+    def stream(self, host: str, port: int, window: Window, start: float) -> None:
+        time.sleep(max(0.0, start - time.monotonic()))
+        with window.lock:
+            window.started.append(time.monotonic())
         while time.monotonic() < window.end:
             self.request(host, port, window)
 
@@ -207,6 +219,7 @@ class Serving:
         self.runner = runner
         self.results = runner.results.setdefault("serving", {})
         self.seconds: float = runner.args.serving_seconds
+        self.lead_in: float = runner.args.serving_lead_in
 
     # -- servers ------------------------------------------------------------------------
     def wait_ready(self, proc: subprocess.Popen[bytes], host: str, port: int, log: str, timeout: float = 240) -> None:
@@ -296,7 +309,7 @@ class Serving:
             with self.llama_server(shape, name, VETH_NS, CLIENT_PORT + 20, SLOTS, ["--rpc", unix], NO_GPU | profiled,
                                    self.namespace()) as addr:
                 counted = server_counters(*addr)
-                row = {"row": "rpc_profiled", **Streams([addr], level, self.seconds).run().as_dict()}
+                row = {"row": "rpc_profiled", **Streams([addr], level, self.seconds, self.lead_in).run().as_dict()}
                 row["steps"] = step_figures(counted, server_counters(*addr), self.seconds)
             # the server prints a connection's figures once it sees the client gone: before it is stopped
             until = time.monotonic() + 20
@@ -313,7 +326,8 @@ class Serving:
         r = self.runner
         entry = self.results.setdefault(shape, {"levels": {}})
         entry["setup"] = {"slots": SLOTS, "prompt_tokens": PROMPT_TOKENS, "gen_tokens": GEN_TOKENS,
-                          "seconds": self.seconds, "rows": ["native", *r.args.serving_paths, "native_after"],
+                          "seconds": self.seconds, "lead_in_s": self.lead_in,
+                          "rows": ["native", *r.args.serving_paths, "native_after"],
                           "rounds": r.args.serving_rounds}
         with contextlib.ExitStack() as stack:
             t0 = time.monotonic()
@@ -332,7 +346,8 @@ class Serving:
             for level in r.args.concurrency:
                 profiled = r.args.serving_rpc_profile and "rpc" in r.args.serving_paths
                 rows_needed = 1 + rounds * len(servers) + profiled
-                if r.left() < self.seconds * rows_needed + 20 + 60 * profiled:  # the profiled pair loads
+                # the profiled pair loads its own model
+                if r.left() < (self.seconds + self.lead_in) * rows_needed + 20 + 60 * profiled:
                     r.log(f"skip {shape} serving c{level}: {r.left():.0f}s left")
                     break
                 entry["levels"][str(level)] = self.level(shape, servers, level, rounds)
@@ -349,7 +364,7 @@ class Serving:
         sequence = []
         for key in order:
             counted = server_counters(*servers[key])
-            row = {"row": key, **Streams([servers[key]], level, self.seconds).run().as_dict()}
+            row = {"row": key, **Streams([servers[key]], level, self.seconds, self.lead_in).run().as_dict()}
             # read after the streams closed: the steps of the half second before the window and of
             # the requests cancelled at its end are counted too (a few of a row's hundreds or thousands)
             row["steps"] = step_figures(counted, server_counters(*servers[key]), self.seconds)

@@ -27,14 +27,19 @@ def test_the_serving_part_measures_native_rpc_and_apir_side_by_side(llama_build:
          "--prebuilt", str(llama_build.bin_dir.parent), "--model", str(demo_model), "--shapes", "demo",
          "--work", str(tmp_path / "work"), "--out", str(out), "--parts", "serving", "--device", "CPU",
          "--server-threads", "1", "--concurrency", "2", "--serving-seconds", "4", "--serving-rounds", "1",
-         "--serving-paths", "rpc", "apir", "--serving-rpc-profile", "--deadline", "500"],
+         "--serving-paths", "rpc", "apir", "--serving-rpc-profile", "--serving-lead-in", "2", "--deadline", "500"],
         capture_output=True, text=True, timeout=600, check=False)
     results = json.loads((out / "results.json").read_text())
     level = results["serving"]["demo"]["levels"].get("2")
     assert level is not None, f"{results['steps']}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     assert [row["row"] for row in level["sequence"]] == ["native", "rpc", "apir", "native"]
+    assert results["serving"]["demo"]["setup"]["lead_in_s"] == 2
     for row in level["sequence"]:
-        assert row["errors"] == 0 and row["tokens_per_s"] > 0 and row["requests_started"] >= 2, row
+        assert row["errors"] == 0 and row["tokens_per_s"] > 0, row
+        assert row["requests_started"] + row["requests_finished"] >= 1, row
+        # the two streams started one after the other over the lead-in, before the window opened
+        first, second = row["stream_starts_s"]
+        assert -2.1 <= first < second < 0 and second - first >= 0.8, row["stream_starts_s"]
         assert row["steps"]["steps"] > 0 and row["steps"]["ms_per_step"] > 0, row
     for key in ("rpc", "apir"):
         assert level[key]["ratio"] > 0 and level[f"{key}_ratio_range"] == [level[key]["ratio"]] * 2
