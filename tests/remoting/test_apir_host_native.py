@@ -163,15 +163,15 @@ def asan_host(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextlib.contextmanager
 def apir_host(exe: Path, build: llamacpp.Build, workdir: Path, trace: Path | None = None,
               env: dict[str, str] | None = None, backend_library: Path | None = None,
-              region_fd: int | None = None, extra_args: Sequence[str] = ()
+              region_fd: int | None = None, extra_args: Sequence[str] = (), ggml_library: Path | None = None
               ) -> Iterator[tuple[subprocess.Popen[bytes], Path, Path]]:
-    """apir-host on the CPU backend (with `env` added to its environment), over the build's backend
-    library or `backend_library`, sharing the memfd `region_fd` with its clients if given; yields
-    (process, socket, log)."""
+    """apir-host on the CPU backend, or the ggml library `ggml_library` (with `env` added to its
+    environment), over the build's backend library or `backend_library`, sharing the memfd `region_fd`
+    with its clients if given; yields (process, socket, log)."""
     path, log = workdir / "apir.sock", workdir / "apir-host.log"
     library = backend_library or build.library("ggml-virtgpu-backend")
     args = [str(exe), "--socket", str(path), "--backend-library", str(library),
-            "--ggml-library", str(build.library("ggml-cpu"))]
+            "--ggml-library", str(ggml_library or build.library("ggml-cpu"))]
     if trace is not None:
         args += ["--trace", str(trace)]
     if region_fd is not None:
