@@ -36,7 +36,6 @@ def test_the_serving_part_measures_native_rpc_and_apir_side_by_side(llama_build:
     assert results["serving"]["demo"]["setup"]["lead_in_s"] == 2
     for row in level["sequence"]:
         assert row["errors"] == 0 and row["tokens_per_s"] > 0, row
-        assert row["requests_started"] + row["requests_finished"] >= 1, row
         # the two streams started one after the other over the lead-in, before the window opened
         first, second = row["stream_starts_s"]
         assert -2.1 <= first < second < 0 and second - first >= 0.8, row["stream_starts_s"]
