@@ -143,18 +143,6 @@ def _dropped(proc: BackendProcess, batch: Batch) -> None:
     assert np.allclose(_result(proc, batch), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("wanted, expected", [
-    (DELTA, DELTA),
-    (extensions.FEATURE_GRAPH_DELTA, 0),  # it updates EXT_GRAPH_RUN's graphs: not without it
-    (extensions.FEATURES & ~extensions.FEATURE_GRAPH_DELTA, extensions.FEATURES & ~extensions.FEATURE_GRAPH_DELTA),
-])
-def test_the_delta_is_granted_only_when_asked_with_graph_run(backend_libs: Libs, wanted: int, expected: int) -> None:
-    with BackendProcess() as proc:
-        assert proc.initialize(*backend_libs) == 6
-        ret, reply, _ = proc.dispatch_raw(extensions.GET_FEATURES, extensions.encode_features_request(wanted))
-        assert ret == 0 and extensions.decode_features(reply) == expected
-
-
 @pytest.mark.parametrize("wanted", [extensions.FEATURES, DELTA])  # wide records, and narrow ones
 def test_a_batch_that_grows_and_shrinks_is_computed_from_deltas(backend_libs: Libs, wanted: int) -> None:
     with BackendProcess() as proc:

@@ -59,17 +59,6 @@ def _get(proc: BackendProcess, buffer: int, reads: list[tuple[RpcTensor, int, in
     return ret, proc.shmem_read(res, res_size)
 
 
-@pytest.mark.parametrize("wanted, expected", [
-    (extensions.FEATURE_TENSORS_GET, extensions.FEATURE_TENSORS_GET),
-    (extensions.FEATURES & ~extensions.FEATURE_TENSORS_GET, extensions.FEATURES & ~extensions.FEATURE_TENSORS_GET),
-])
-def test_the_command_is_granted_only_when_asked(backend_libs: Libs, wanted: int, expected: int) -> None:
-    with BackendProcess() as proc:
-        assert proc.initialize(*backend_libs) == 6
-        ret, reply, _ = proc.dispatch_raw(extensions.GET_FEATURES, extensions.encode_features_request(wanted))
-        assert ret == 0 and extensions.decode_features(reply) == expected
-
-
 @pytest.mark.parametrize("wanted", [extensions.FEATURES, extensions.FEATURE_GRAPH_RUN | extensions.FEATURE_TENSORS_GET])
 def test_reads_of_several_tensors_come_back_in_one_call(backend_libs: Libs, wanted: int) -> None:
     """Whole tensors and parts of them, in the wide records and the narrow ones, each where it was asked."""

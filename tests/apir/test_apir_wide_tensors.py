@@ -48,6 +48,14 @@ def _transfer(proc: BackendProcess, fn: str, buffer: int, t: RpcTensor, size: in
     (extensions.FEATURE_GRAPH_RUN, extensions.FEATURE_GRAPH_RUN),
     (extensions.FEATURE_WIDE_TENSORS, extensions.FEATURE_WIDE_TENSORS),
     ((1 << 64) - 1, extensions.FEATURES),  # bits the library does not know are not granted
+    # the delta updates EXT_GRAPH_RUN's graphs: granted with it, not alone (0021)
+    (extensions.FEATURE_GRAPH_RUN | extensions.FEATURE_GRAPH_DELTA,
+     extensions.FEATURE_GRAPH_RUN | extensions.FEATURE_GRAPH_DELTA),
+    (extensions.FEATURE_GRAPH_DELTA, 0),
+    (extensions.FEATURES & ~extensions.FEATURE_GRAPH_DELTA, extensions.FEATURES & ~extensions.FEATURE_GRAPH_DELTA),
+    # a state save's reads in one call (0028): granted when asked, and only then
+    (extensions.FEATURE_TENSORS_GET, extensions.FEATURE_TENSORS_GET),
+    (extensions.FEATURES & ~extensions.FEATURE_TENSORS_GET, extensions.FEATURES & ~extensions.FEATURE_TENSORS_GET),
 ])
 def test_features_are_granted_as_asked(backend_libs: Libs, wanted: int | None, expected: int) -> None:
     with BackendProcess() as proc:

@@ -13,7 +13,8 @@ The real llama-server, with a prompt of several micro-batches and a greedy gener
 apir-host over it keeps native's tokens: with runs answered ahead and nothing touched under a compute;
 with GGML_VIRTGPU_RUN_AHEAD=0, no compute queued behind another. A client written by hand sends, right
 after a run answered ahead, each kind of command that must wait for it (a read, a clear, a free) or
-leaves: the host touches no buffer under the compute. With the frontend's shared buffers (a host
+leaves: the host touches no buffer under the compute, also with apir-host and its backend library under
+AddressSanitizer and UndefinedBehaviorSanitizer. With the frontend's shared buffers (a host
 backend with buffer_from_host_ptr, as ggml-metal's), the client writes inputs and reads results in
 place, where no run's writes or outputs show them: a graph with a tensor in such a buffer is waited
 for, and keeps native's tokens.
@@ -37,12 +38,13 @@ from apirctl.apir import extensions, messages, table
 from apirctl.apir.tensor import Tensor
 from apirctl.build import llamacpp
 from tests.conftest import shared_env
-from tests.remoting.test_apir_host_native import (  # noqa: F401 (workdir: a fixture)
+from tests.remoting.test_apir_host_native import (  # noqa: F401 (workdir, asan_host: fixtures)
     FORWARD,
     FORWARD_BASE,
     OUT_RES,
     GraphRunClient,
     apir_host,
+    asan_host,
     workdir,
 )
 from tests.support import build_servers, native_builds
@@ -85,6 +87,25 @@ def async_cpu_library(llama_build: llamacpp.Build, tmp_path_factory: pytest.Temp
         [SHIM], tmp_path_factory.mktemp("async-cpu") / "libasync-cpu.so",
         ["-shared", f"-L{llama_build.bin_dir}", f"-Wl,-rpath,{llama_build.bin_dir}", "-lggml-cpu", "-lggml-base"],
         "the async-cpu ggml library")
+
+
+@pytest.fixture(scope="module")
+def asan_backend_library(llama_build: llamacpp.Build, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The host's backend library (where 0030's waits live) compiled with AddressSanitizer and
+    UndefinedBehaviorSanitizer, for the sanitized apir-host (`asan_host`, the same compiler's runtime)."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    src = build_source(llama_build)
+    backend = src / "ggml/src/ggml-virtgpu/backend"
+    return native_builds.compile_program(
+        compiler, ["-std=c++20", "-O1", "-g", "-fPIC", "-fsanitize=address,undefined",
+                   "-fno-sanitize-recover=undefined", "-fno-omit-frame-pointer", "-DGGML_BACKEND_SHARED",
+                   "-DGGML_SHARED", "-D_GNU_SOURCE",
+                   f"-I{backend.parent}", f"-I{src / 'ggml/src'}", f"-I{src / 'ggml/include'}"],
+        sorted(backend.glob("*.cpp")), tmp_path_factory.mktemp("asan-backend") / "libggml-virtgpu-backend.so",
+        ["-shared", f"-L{llama_build.bin_dir}", f"-Wl,-rpath,{llama_build.bin_dir}", "-lggml-base", "-ldl"],
+        "the APIR backend library (sanitized)")
 
 
 def greedy_completion(url: str) -> tuple[list[int], int]:
@@ -214,12 +235,12 @@ NEXT: dict[str, Callable[[GraphRunClient], list[float] | None]] = {
 
 
 def commands_after_a_run_ahead(build: llamacpp.Build, workdir: Path, library: Path,  # noqa: F811
-                               backend_library: Path | None = None
+                               backend_library: Path | None = None, exe: Path | None = None
                                ) -> dict[str, tuple[dict[str, int], list[float] | None]]:
     """Each of NEXT right after a run answered ahead, by a client each: the shim's counts of each, and
     what it read."""
     seen = {}
-    with apir_host(build.binary("apir-host"), build, workdir, env={"ASYNC_CPU_DELAY_MS": str(DELAY_MS)},
+    with apir_host(exe or build.binary("apir-host"), build, workdir, env={"ASYNC_CPU_DELAY_MS": str(DELAY_MS)},
                    ggml_library=library, backend_library=backend_library,
                    extra_args=["--ggml-reg", REG, "--threads", "1"]) as (host, path, log):
         for i, (what, then) in enumerate(NEXT.items()):
@@ -233,9 +254,16 @@ def commands_after_a_run_ahead(build: llamacpp.Build, workdir: Path, library: Pa
     return seen
 
 
+@pytest.mark.parametrize("host", ["release", "sanitized"])
 def test_every_other_command_and_the_clients_end_wait_for_a_compute_answered_ahead(
-        llama_build: llamacpp.Build, workdir: Path, async_cpu_library: Path) -> None:  # noqa: F811
-    seen = commands_after_a_run_ahead(llama_build, workdir, async_cpu_library)
+        llama_build: llamacpp.Build, workdir: Path, async_cpu_library: Path,  # noqa: F811
+        host: str, request: pytest.FixtureRequest) -> None:
+    """Sanitized: apir-host and its backend library under AddressSanitizer and UndefinedBehaviorSanitizer
+    (a report ends the host, and the client's next call fails)."""
+    exe, backend_library = None, None
+    if host == "sanitized":
+        exe, backend_library = request.getfixturevalue("asan_host"), request.getfixturevalue("asan_backend_library")
+    seen = commands_after_a_run_ahead(llama_build, workdir, async_cpu_library, backend_library, exe)
     for what, (counts, _) in seen.items():
         assert counts["computes"] == 1 and counts["ahead"] == 1 and counts["failed"] == 0, (what, seen)
         assert counts["unsafe"] == 0, (what, seen)
