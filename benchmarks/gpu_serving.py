@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import shutil
@@ -63,6 +64,18 @@ GEN_TOKENS = 128
 MPS_DIRS = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/apirc-mps-pipe", "CUDA_MPS_LOG_DIRECTORY": "/tmp/apirc-mps-log"}
 
 
+#: Every request of the harness's process, warm-ups included, takes the next number: a server never sees a
+#: prompt twice, so no row is answered from a slot's cache or llama-server's prompt cache (before, each row
+#: counted from 1 again, and a server answered most of a later row's prompts by evaluating one token).
+_REQUEST_NUMBERS = itertools.count(1)
+_REQUEST_NUMBERS_LOCK = threading.Lock()
+
+
+def next_request_number() -> int:
+    with _REQUEST_NUMBERS_LOCK:
+        return next(_REQUEST_NUMBERS)
+
+
 def prompt(number: int) -> str:
     """About PROMPT_TOKENS tokens, opening with a number no other request has (no shared prefix to reuse)."""
     words = [PROMPT_WORDS[(number + i) % len(PROMPT_WORDS)] for i in range(PROMPT_TOKENS - 8)]
@@ -81,6 +94,7 @@ class Window:
     errors: int = 0
     error_text: str = ""
     started: list[float] = field(default_factory=list)  # when each stream sent its first request
+    sent: int = 0  # requests sent over the whole run, lead-in and the cancelled last ones included
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def as_dict(self) -> dict:
@@ -93,6 +107,7 @@ class Window:
         return {"tokens_per_s": round(self.tokens / seconds, 2), "tokens": self.tokens, "seconds": round(seconds, 2),
                 "ttft_p50_ms": pct(0.5), "ttft_p95_ms": pct(0.95), "requests_started": len(ttft),
                 "requests_finished": self.finished, "errors": self.errors, "first_error": self.error_text[:200],
+                "requests_sent": self.sent,
                 "stream_starts_s": sorted(round(t - self.start, 3) for t in self.started),
                 "window_monotonic_s": [round(self.start, 3), round(self.end, 3)]}
 
@@ -108,13 +123,6 @@ class Streams:
         # the window cuts those rounds moves a row's figures: with a lead-in, stream k starts k/N of it
         # before the window opens, so that the window sees requests at every phase
         self.lead_in = lead_in
-        self.counter = 0
-        self.counter_lock = threading.Lock()
-
-    def next_number(self) -> int:
-        with self.counter_lock:
-            self.counter += 1
-            return self.counter
 
     def run(self) -> Window:
         first = time.monotonic() + 0.5  # every thread started before the clock
@@ -137,8 +145,10 @@ class Streams:
             self.request(host, port, window)
 
     def request(self, host: str, port: int, window: Window) -> None:
-        body = json.dumps({"prompt": prompt(self.next_number()), "n_predict": GEN_TOKENS, "stream": True,
+        body = json.dumps({"prompt": prompt(next_request_number()), "n_predict": GEN_TOKENS, "stream": True,
                            "ignore_eos": True, "temperature": 0.0}).encode()
+        with window.lock:
+            window.sent += 1
         conn = http.client.HTTPConnection(host, port, timeout=120)
         sent = time.monotonic()
         first = True
@@ -178,8 +188,9 @@ class Streams:
 
 
 def server_counters(host: str, port: int) -> dict[str, float]:
-    """llama-server's Prometheus counters (`--metrics`), by name without the `llamacpp:` prefix; empty
-    when the server does not answer (a row then has no step figures, not a failure)."""
+    """llama-server's Prometheus counters (`--metrics`), by name without the `llamacpp:` prefix, and
+    `read_at_s`, when they were read (monotonic): empty when the server does not answer (a row then has
+    no step figures, not a failure)."""
     try:
         conn = http.client.HTTPConnection(host, port, timeout=10)
         conn.request("GET", "/metrics")
@@ -188,7 +199,10 @@ def server_counters(host: str, port: int) -> dict[str, float]:
         conn.close()
     except (OSError, http.client.HTTPException):
         return {}
-    return parse_counters(text)
+    found = parse_counters(text)
+    if found:
+        found["read_at_s"] = time.monotonic()
+    return found
 
 
 def parse_counters(text: str) -> dict[str, float]:
@@ -201,17 +215,32 @@ def parse_counters(text: str) -> dict[str, float]:
     return found
 
 
-def step_figures(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float | None]:
+def step_figures(before: dict[str, float], after: dict[str, float],
+                 requests: int | None = None) -> dict[str, float | None]:
     """A row's llama_decode calls (steps) from the counters read around it: how many a second, the
-    milliseconds one takes, and the tokens generated a step. Native rows get them too, which is what
-    an APIR row's host trace is compared with."""
-    if "n_decode_total" not in before or "n_decode_total" not in after or seconds <= 0:
+    milliseconds one takes, and the tokens generated a step, over the time between the two reads (the
+    lead-in and the requests cancelled at the window's end fall between them too). Native rows get
+    them too, which is what an APIR row's host trace is compared with. With the row's `requests` (all
+    it sent), the prompt tokens the server evaluated per request: about a prompt's length when no
+    request was answered from a cache (`prompt_tokens_cached`, the server's count of those it reused)."""
+    keys = ("n_decode_total", "read_at_s")
+    if any(key not in before or key not in after for key in keys):
+        return {}
+    seconds = after["read_at_s"] - before["read_at_s"]
+    if seconds <= 0:
         return {}
     steps = after["n_decode_total"] - before["n_decode_total"]
     tokens = after.get("tokens_predicted_total", 0.0) - before.get("tokens_predicted_total", 0.0)
-    return {"steps": steps, "steps_per_s": round(steps / seconds, 1),
-            "ms_per_step": round(seconds * 1e3 / steps, 3) if steps else None,
-            "tokens_per_step": round(tokens / steps, 2) if steps else None}
+    prompt_tokens = after.get("prompt_tokens_total", 0.0) - before.get("prompt_tokens_total", 0.0)
+    cached = after.get("prompt_tokens_cached_total", 0.0) - before.get("prompt_tokens_cached_total", 0.0)
+    figures: dict[str, float | None] = {
+        "seconds": round(seconds, 3), "steps": steps, "steps_per_s": round(steps / seconds, 1),
+        "ms_per_step": round(seconds * 1e3 / steps, 3) if steps else None,
+        "tokens_per_step": round(tokens / steps, 2) if steps else None, "prompt_tokens": prompt_tokens,
+        "prompt_tokens_cached": cached}
+    if requests:
+        figures["prompt_tokens_per_request"] = round(prompt_tokens / requests, 1)
+    return figures
 
 
 class Serving:
@@ -310,7 +339,7 @@ class Serving:
                                    self.namespace()) as addr:
                 counted = server_counters(*addr)
                 row = {"row": "rpc_profiled", **Streams([addr], level, self.seconds, self.lead_in).run().as_dict()}
-                row["steps"] = step_figures(counted, server_counters(*addr), self.seconds)
+                row["steps"] = step_figures(counted, server_counters(*addr), row["requests_sent"])
             # the server prints a connection's figures once it sees the client gone: before it is stopped
             until = time.monotonic() + 20
             while ("GRAPH_COMPUTE" not in rpc_profile.parse_connections(text()).get("server", {}).get("entries", {})
@@ -365,9 +394,9 @@ class Serving:
         for key in order:
             counted = server_counters(*servers[key])
             row = {"row": key, **Streams([servers[key]], level, self.seconds, self.lead_in).run().as_dict()}
-            # read after the streams closed: the steps of the half second before the window and of
-            # the requests cancelled at its end are counted too (a few of a row's hundreds or thousands)
-            row["steps"] = step_figures(counted, server_counters(*servers[key]), self.seconds)
+            # read after the streams closed: over the lead-in, the window and the requests cancelled at
+            # its end, and divided by that time
+            row["steps"] = step_figures(counted, server_counters(*servers[key]), row["requests_sent"])
             sequence.append(row)
         for row in sequence:  # where an APIR row's time went, from its host's trace (apir_serving_windows)
             trace = r.logs / f"serving-{shape}-{row['row']}.trace"

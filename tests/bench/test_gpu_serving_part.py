@@ -40,6 +40,9 @@ def test_the_serving_part_measures_native_rpc_and_apir_side_by_side(llama_build:
         first, second = row["stream_starts_s"]
         assert -2.1 <= first < second < 0 and second - first >= 0.8, row["stream_starts_s"]
         assert row["steps"]["steps"] > 0 and row["steps"]["ms_per_step"] > 0, row
+        # every request's prompt was new to its server: evaluated whole, never answered from a slot's cache
+        # (the last native row's requests would repeat the first's if the rows numbered them alike)
+        assert row["requests_sent"] >= 2 and row["steps"]["prompt_tokens_per_request"] > 64, row
     for key in ("rpc", "apir"):
         assert level[key]["ratio"] > 0 and level[f"{key}_ratio_range"] == [level[key]["ratio"]] * 2
     trace = level["apir"]["host_trace"]

@@ -19,12 +19,19 @@ import gpu_serving  # noqa: E402
 pytestmark = pytest.mark.integration
 
 
-def _complete(url: str, n: int) -> None:
-    body = json.dumps({"prompt": "Count: one two three", "n_predict": n, "temperature": 0, "ignore_eos": True,
-                       "cache_prompt": False}).encode()
-    req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+PROMPT = "Count: one two three"
+
+
+def _post(url: str, path: str, payload: dict) -> dict:
+    req = urllib.request.Request(url + path, json.dumps(payload).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=300) as r:
-        assert len(json.load(r)["content"]) > 0
+        return json.load(r)
+
+
+def _complete(url: str, n: int) -> None:
+    done = _post(url, "/completion", {"prompt": PROMPT, "n_predict": n, "temperature": 0, "ignore_eos": True,
+                                      "cache_prompt": False})
+    assert len(done["content"]) > 0
 
 
 def test_a_rows_steps_are_the_servers_own_decode_calls(llama_build: llamacpp.Build, demo_model: Path,
@@ -36,15 +43,23 @@ def test_a_rows_steps_are_the_servers_own_decode_calls(llama_build: llamacpp.Bui
         _complete(url, 12)
         _complete(url, 12)
         after = gpu_serving.server_counters(host, int(port))
-    steps = gpu_serving.step_figures(before, after, 2.0)
+        prompt_tokens = len(_post(url, "/tokenize", {"content": PROMPT, "add_special": True})["tokens"])
+    steps = gpu_serving.step_figures(before, after, requests=2)
     # one prompt decode and 11 generation decodes a request (the first token comes from the prompt's)
     assert steps["steps"] == 24, (before, after)
-    assert steps["steps_per_s"] == 12.0 and steps["ms_per_step"] == round(2000 / 24, 3)
+    # over the time between the two reads, not over a window the caller names
+    seconds = after["read_at_s"] - before["read_at_s"]
+    assert steps["seconds"] == round(seconds, 3) > 0
+    assert steps["steps_per_s"] == round(24 / seconds, 1) and steps["ms_per_step"] == round(seconds * 1e3 / 24, 3)
     assert steps["tokens_per_step"] == 1.0
+    # neither request was answered from a cache: each evaluated its whole prompt
+    assert steps["prompt_tokens"] == 2 * prompt_tokens and steps["prompt_tokens_per_request"] == prompt_tokens
+    assert steps["prompt_tokens_cached"] == 0
 
 
 def test_a_server_without_counters_gives_a_row_no_step_figures(tmp_path: Path) -> None:
     assert gpu_serving.server_counters("127.0.0.1", 9) == {}
-    assert gpu_serving.step_figures({}, {"n_decode_total": 5.0}, 30.0) == {}
+    assert gpu_serving.step_figures({}, {"n_decode_total": 5.0, "read_at_s": 1.0}) == {}
+    assert gpu_serving.step_figures({"n_decode_total": 1.0}, {"n_decode_total": 5.0}) == {}
     text = "# HELP llamacpp:n_decode_total calls\nllamacpp:n_decode_total 7\nllamacpp:x{a=\"b\"} 1\nother 3\n"
     assert gpu_serving.parse_counters(text) == {"n_decode_total": 7.0}
