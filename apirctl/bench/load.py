@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -64,10 +65,13 @@ def parse_concurrency(text: str) -> tuple[int, ...]:
     return values
 
 
-def prompt_text(tokens: int) -> str:
-    """About `tokens` tokens of plain words (common English words are mostly one token each)."""
+def prompt_text(tokens: int, label: str = "") -> str:
+    """About `tokens` tokens of plain words (common English words are mostly one token each), opening
+    with `label`: a label no other request has makes the prompt new to the server from its first words,
+    so that its prompt cache cannot answer it and the time to first token includes the prompt's."""
     words = [_WORDS[i % len(_WORDS)] for i in range(max(tokens - 8, 1))]
-    return "Continue this text without stopping: " + " ".join(words)
+    opening = f"Request {label}. " if label else ""
+    return opening + "Continue this text without stopping: " + " ".join(words)
 
 
 def base_url(url: str) -> str:
@@ -89,6 +93,9 @@ class RequestResult:
     gaps: list[float] = field(default_factory=list)
     tokens: int = 0
     duration: float = 0.0
+    #: from the stream's usage, where the server reports it
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
 
     @property
     def decode_tps(self) -> float | None:
@@ -161,6 +168,7 @@ async def one_request(client: httpx.AsyncClient, base: str, body: dict[str, Any]
                 usage = chunk.get("usage")
                 if isinstance(usage, dict) and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    result.prompt_tokens, result.cached_prompt_tokens = _prompt_usage(usage)
                 if _content(chunk):
                     now = time.perf_counter()
                     if last is None:
@@ -181,10 +189,23 @@ async def one_request(client: httpx.AsyncClient, base: str, body: dict[str, Any]
     return result
 
 
+def _prompt_usage(usage: dict[str, Any]) -> tuple[int | None, int | None]:
+    """Prompt tokens and, where the server counts them (llama-server, vLLM), those it took from its cache."""
+    def count(value: Any) -> int | None:
+        return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+    details = usage.get("prompt_tokens_details")
+    cached = count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return count(usage.get("prompt_tokens")), cached
+
+
 async def run_level(client: httpx.AsyncClient, base: str, model: str | None, concurrency: int,
                     params: LoadParams, on_progress: LoadProgressFn | None = None) -> LevelResult:
+    # every request's prompt opens with a label of its own, this level's and this run's: a server's prompt
+    # cache (llama-server keeps each slot's last prompt, and more in memory) would otherwise answer all but
+    # the first request of each slot by evaluating a token, and the times to first token would hide prompts
+    run_label = secrets.token_hex(4)
     body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": prompt_text(params.prompt_tokens)}],
         "max_tokens": params.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -202,7 +223,9 @@ async def run_level(client: httpx.AsyncClient, base: str, model: str | None, con
         nonlocal issued
         while issued < params.requests:
             issued += 1
-            results.append(await one_request(client, base, body))
+            prompt = prompt_text(params.prompt_tokens, f"{run_label}-{concurrency}-{issued}")
+            results.append(await one_request(client, base,
+                                             body | {"messages": [{"role": "user", "content": prompt}]}))
             if on_progress:
                 on_progress(concurrency, len(results), params.requests)
 
@@ -221,6 +244,8 @@ async def run_level(client: httpx.AsyncClient, base: str, model: str | None, con
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     per_request = [tps for r in ok if (tps := r.decode_tps) is not None]
     tokens = sum(r.tokens for r in ok)
+    prompt_counts = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
+    cached_counts = [r.cached_prompt_tokens for r in ok if r.cached_prompt_tokens is not None]
     sample = failed[0].error if failed else (f"{cancelled} request(s) cancelled at the {params.time_limit:.0f} s "
                                              "time limit" if cancelled else None)
     return LevelResult(
@@ -237,6 +262,8 @@ async def run_level(client: httpx.AsyncClient, base: str, model: str | None, con
         output_tps_total=tokens / wall if wall > 0 else None,
         request_throughput=len(ok) / wall if wall > 0 else None,
         output_tokens=tokens,
+        prompt_tokens=sum(prompt_counts) if len(prompt_counts) == len(ok) and ok else None,
+        cached_prompt_tokens=sum(cached_counts) if len(cached_counts) == len(ok) and ok else None,
         wall_s=wall,
         timed_out=timed_out,
     )

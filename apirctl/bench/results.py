@@ -59,6 +59,9 @@ class LevelResult(BaseModel):
     output_tps_total: float | None = None
     request_throughput: float | None = None
     output_tokens: int = 0
+    #: the completed requests' prompt tokens, and those the server took from its cache (where it says)
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
     wall_s: float = 0.0
     timed_out: bool = False
     #: `bench MODEL --serving`: which server the row loaded (native or remoting), over what, and a

@@ -92,7 +92,9 @@ def bench(
     server: str = typer.Option(None, "--server", help="Serving load against this apirctl server (name or id)."),
     concurrency: str = typer.Option("1,4", "--concurrency", help="Serving: concurrency levels, e.g. 1,4,8."),
     requests: int = typer.Option(8, "--requests", help="Serving: requests per concurrency level."),
-    prompt_tokens: int = typer.Option(128, "--prompt-tokens", help="Serving: approximate prompt length."),
+    prompt_tokens: int = typer.Option(
+        128, "--prompt-tokens",
+        help="Serving: approximate prompt length; each request's prompt is new to the server (no prompt-cache hits)."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="Serving: tokens generated per request."),
     time_limit: float = typer.Option(300.0, "--time-limit",
                                      help="Serving: seconds per level; unfinished requests count as errors."),

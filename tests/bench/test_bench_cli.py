@@ -102,6 +102,10 @@ def test_serving_load_at_concurrency_1_and_4(llama_server: Server) -> None:
         assert lv["output_tps_per_request"] > 0 and lv["output_tps_total"] > 0
         assert lv["request_throughput"] > 0
         assert lv["output_tokens"] == 4 * 8
+        # each request's prompt was new to the server: only the chat template's opening (the demo model's
+        # system prompt, about half of these short prompts) came from its cache; with one prompt for all,
+        # every request after a slot's first was answered from it (all but one token of each)
+        assert lv["prompt_tokens"] > 4 * 24 and 0 <= lv["cached_prompt_tokens"] < lv["prompt_tokens"] / 2, lv
     table = run_cli("bench", "history")
     assert data["id"] in table.stdout
 
